@@ -1,0 +1,173 @@
+"""Trace a Hugging Face decoder LLM with torch.export into an ONNX model folder, with or without a KV cache."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+import transformers
+from transformers.cache_utils import DynamicCache
+
+from layerdrop.errors import LayerdropError
+from layerdrop.export.loading import TOKENIZER_FILES, load_model
+from layerdrop.model_folder import DATA_NAME, MODEL_NAME, publish_folder, reserve_output
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class _WithCache(torch.nn.Module):
+    """Flat-tensor wrapper: (input_ids, attention_mask, position_ids, *past) -> (logits, *present)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, position_ids, *past):
+        pairs = [(past[2 * i], past[2 * i + 1]) for i in range(len(past) // 2)]
+        cache = DynamicCache(ddp_cache_data=pairs)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        present = []
+        for layer in out.past_key_values.layers:
+            present += [layer.keys, layer.values]
+        return (out.logits, *present)
+
+
+class _WithoutCache(torch.nn.Module):
+    """(input_ids, attention_mask) -> logits."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+
+def kv_layout(config: transformers.PretrainedConfig) -> tuple[int, int, int]:
+    """Return (layers, kv_heads, head_dim) of a decoder config."""
+    text = config.get_text_config(decoder=True)
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return text.num_hidden_layers, kv_heads, head_dim
+
+
+def export_model(
+    model: torch.nn.Module,
+    out_path: Path,
+    *,
+    kv_cache: bool = True,
+    dtype: str = "float32",
+) -> None:
+    """Export `model` to `out_path` (model.onnx plus model.onnx.data in the same folder).
+
+    Inputs with cache: input_ids [batch, seq], attention_mask [batch, total], position_ids [batch, seq],
+    past_key_values.{i}.key/.value [batch, kv_heads, past, head_dim]; outputs logits and present.{i}.key/.value.
+    Without cache: input_ids and attention_mask in, logits out.
+    """
+    if dtype not in DTYPES:
+        raise LayerdropError(f"unknown --dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    model = model.to(DTYPES[dtype]).eval()
+    layers, kv_heads, head_dim = kv_layout(model.config)
+    batch, seq, past = torch.export.Dim("batch"), torch.export.Dim("seq"), torch.export.Dim("past")
+    total = torch.export.Dim("total")
+    ids = torch.ones(2, 5, dtype=torch.long)
+    if kv_cache:
+        past_len = 3
+        wrapper = _WithCache(model)
+        past_tensors = [
+            torch.zeros(2, kv_heads, past_len, head_dim, dtype=DTYPES[dtype]) for _ in range(2 * layers)
+        ]
+        args = (ids, torch.ones(2, 5 + past_len, dtype=torch.long), torch.arange(3, 8).repeat(2, 1), *past_tensors)
+        input_names = ["input_ids", "attention_mask", "position_ids"]
+        output_names = ["logits"]
+        for i in range(layers):
+            input_names += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
+            output_names += [f"present.{i}.key", f"present.{i}.value"]
+        dynamic_shapes = (
+            {0: batch, 1: seq},
+            {0: batch, 1: total},
+            {0: batch, 1: seq},
+            tuple({0: batch, 2: past} for _ in past_tensors),
+        )
+    else:
+        wrapper = _WithoutCache(model)
+        args = (ids, torch.ones(2, 5, dtype=torch.long))
+        input_names, output_names = ["input_ids", "attention_mask"], ["logits"]
+        dynamic_shapes = ({0: batch, 1: seq}, {0: batch, 1: seq})
+
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            wrapper,
+            args,
+            dynamo=True,
+            dynamic_shapes=dynamic_shapes,
+            input_names=input_names,
+            output_names=output_names,
+            optimize=True,
+            verbose=False,
+        )
+    family = model.config.get_text_config(decoder=True).model_type
+    program.model.metadata_props["layerdrop.family"] = family
+    program.model.metadata_props["layerdrop.num_layers"] = str(layers)
+    program.model.metadata_props["layerdrop.kv_cache"] = "1" if kv_cache else "0"
+    program.model.producer_version = torch.__version__
+    program.save(str(out_path), external_data=True)
+
+
+def export_folder(
+    source: Path | None,
+    out_dir: Path,
+    *,
+    kv_cache: bool = True,
+    dtype: str = "float32",
+    force: bool = False,
+    trust_remote_code: bool = False,
+) -> Path:
+    """Export a model folder or GGUF file (None: the default model) into the ONNX model folder `out_dir`.
+
+    The folder receives model.onnx, model.onnx.data, and the tokenizer files. It is written under a
+    temporary name and renamed into place, so a failure leaves nothing behind.
+
+    Raises:
+        LayerdropError: bad source, refused output folder, or a model the exporter cannot trace.
+    """
+    from layerdrop.export.default_model import default_model_folder
+
+    reserve_output(out_dir, inputs=[source] if source else [], force=force)
+    source = source or default_model_folder()
+    model, tokenizer_dir = load_model(source, trust_remote_code=trust_remote_code)
+    with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.") as tmp:
+        staged = Path(tmp) / "model"
+        staged.mkdir()
+        try:
+            export_model(model, staged / MODEL_NAME, kv_cache=kv_cache, dtype=dtype)
+        except LayerdropError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - torch.export fails in many ways for unsupported models
+            raise LayerdropError(f"torch.export could not trace this model: {str(exc).splitlines()[0][:300]}") from None
+        if tokenizer_dir is not None:
+            for name in TOKENIZER_FILES:
+                if (tokenizer_dir / name).is_file():
+                    shutil.copy2(tokenizer_dir / name, staged / name)
+        else:
+            _save_gguf_tokenizer(source, staged)
+        model.config.save_pretrained(staged)
+        assert (staged / DATA_NAME).is_file()
+        publish_folder(staged, out_dir, force=force)
+    return out_dir
+
+
+def _save_gguf_tokenizer(gguf_path: Path, folder: Path) -> None:
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    tokenizer.save_pretrained(folder)
