@@ -46,6 +46,7 @@ def load_model(source: Path, *, trust_remote_code: bool = False) -> tuple[torch.
         LayerdropError: the path is missing, not a model, needs remote code, or the GGUF file is unusable.
     """
     transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if not source.exists():
         raise LayerdropError(f"{source} does not exist; pass a Hugging Face model folder or a .gguf file")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 import tempfile
 import warnings
@@ -13,7 +14,7 @@ from transformers.cache_utils import DynamicCache
 
 from layerdrop.errors import LayerdropError
 from layerdrop.export.loading import TOKENIZER_FILES, load_model
-from layerdrop.model_folder import DATA_NAME, MODEL_NAME, publish_folder, reserve_output
+from layerdrop.model_folder import MODEL_NAME, publish_folder, reserve_output
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -105,6 +106,8 @@ def export_model(
         input_names, output_names = ["input_ids", "attention_mask"], ["logits"]
         dynamic_shapes = ({0: batch, 1: seq}, {0: batch, 1: seq})
 
+    # torch.onnx logs one warning per missing torchvision op; they are irrelevant to language models.
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
@@ -163,7 +166,6 @@ def export_folder(
         else:
             _save_gguf_tokenizer(source, staged)
         model.config.save_pretrained(staged)
-        assert (staged / DATA_NAME).is_file()
         publish_folder(staged, out_dir, force=force)
     return out_dir
 

@@ -16,7 +16,7 @@ from layerdrop.errors import LayerdropError
 from layerdrop.passes.find_residuals import REGION_KEY, ResidualRegion, annotated_regions
 
 DROPPED_KEY = "layerdrop.dropped"
-SCORE_KEY = "layerdrop.score"
+from layerdrop.passes.attach_scores import SCORE_KEY
 
 
 def removed_modules(model: ir.Model) -> list[dict]:

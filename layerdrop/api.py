@@ -1,0 +1,277 @@
+"""The Python API: each function reads model folders and writes one, as the matching CLI command does."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+
+from layerdrop import model_folder
+from layerdrop.errors import LayerdropError
+from layerdrop.passes.attach_scores import AttachScoresPass, read_scores
+from layerdrop.passes.cleanup import cleanup_passes, run_passes
+from layerdrop.passes.drop_branches import DropBranchesPass, removed_modules
+from layerdrop.passes.find_residuals import FindResidualsPass, annotated_regions
+from layerdrop.passes.prune_kv_cache import PruneKvCachePass, kv_layer_map
+from layerdrop.runtime.scoring import compute_scores
+from layerdrop.runtime.text import Windows, bundled_text, pack_windows
+
+DEFAULT_SAMPLES = 64
+DEFAULT_SEQ_LEN = 256
+KINDS = ("attn", "mlp", "block")
+
+
+def model_config(folder: Path) -> dict:
+    """The Hugging Face config.json saved beside the graph ({} when there is none)."""
+    path = Path(folder) / "config.json"
+    try:
+        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise LayerdropError(f"{path} is not valid JSON; fix or remove it") from None
+
+
+def windows_for(folder: Path, text: Path | None, *, part: str, samples: int | None, seq_len: int) -> Windows:
+    """Packed windows of `text` (default: the bundled `part` text) with the folder's tokenizer."""
+    limit = model_config(folder).get("max_position_embeddings")
+    return pack_windows(folder, Path(text) if text else bundled_text(part), seq_len=seq_len, samples=samples,
+                        max_positions=limit)
+
+
+def score(
+    model_path: Path,
+    out_dir: Path | None = None,
+    *,
+    calib: Path | None = None,
+    samples: int = DEFAULT_SAMPLES,
+    seq_len: int = DEFAULT_SEQ_LEN,
+    batch_size: int = 1,
+    provider: str = "cpu",
+    threads: int | None = None,
+    force: bool = False,
+    progress: bool = True,
+) -> dict:
+    """Score every module of a model on calibration text; write the scored folder if `out_dir` is given.
+
+    Returns:
+        {"calibration": {...}, "regions": [{"layer", "kind", "score", "norm_ratio"}, ...]}
+
+    Raises:
+        LayerdropError: bad model or text, or an output that would overwrite something.
+    """
+    folder, model = model_folder.load(model_path)
+    if out_dir is not None:
+        model_folder.reserve_output(Path(out_dir), inputs=[folder.path], force=force)
+    annotated_regions(model)
+    windows = windows_for(folder.path, calib, part="calib", samples=samples, seq_len=seq_len)
+    scores = compute_scores(model, folder.path, windows, batch_size=batch_size, provider=provider,
+                            threads=threads, progress=progress)
+    run_passes(model, [AttachScoresPass(scores, windows.source)])
+    if out_dir is not None:
+        model_folder.save(model, out_dir, source=folder, force=force)
+    return {"calibration": windows.source, "regions": [asdict(s) for s in scores]}
+
+
+def rank_overlap(first: list[dict], second: list[dict], n: int, kinds: Iterable[str] = ("attn", "mlp")) -> dict:
+    """How many of the n lowest-scored modules two rankings share (over the given kinds)."""
+    def lowest(rows: list[dict]) -> list[tuple[str, int]]:
+        chosen = sorted((r for r in rows if r["kind"] in kinds), key=lambda r: (r["score"], r["layer"]))[:n]
+        return [(r["kind"], r["layer"]) for r in chosen]
+
+    a, b = lowest(first), lowest(second)
+    return {"n": n, "shared": len(set(a) & set(b)), "first": a, "second": b}
+
+
+def select_lowest(rows: list[dict], kinds: tuple[str, ...], count: int) -> list[tuple[str, int]]:
+    """The `count` lowest-scored modules among `kinds` (ties broken by layer, then kind).
+
+    Raises:
+        LayerdropError: count is not positive or larger than the modules there are.
+    """
+    pool = [r for r in rows if r["kind"] in kinds]
+    label = "+".join(kinds)
+    if count < 1:
+        raise LayerdropError(f"the {label} count must be at least 1 (got {count})")
+    if count > len(pool):
+        raise LayerdropError(f"asked to drop {count} {label} modules but the model has {len(pool)}")
+    chosen = sorted(pool, key=lambda r: (r["score"], r["layer"], r["kind"]))[:count]
+    return [(r["kind"], r["layer"]) for r in chosen]
+
+
+def _selection_kinds(counts: dict[str, int]) -> list[tuple[tuple[str, ...], int]]:
+    plan = []
+    for key, kinds in (("attn", ("attn",)), ("mlp", ("mlp",)), ("block", ("block",)), ("joint", ("attn", "mlp"))):
+        if counts.get(key) is not None:
+            plan.append((kinds, counts[key]))
+    return plan
+
+
+def drop(
+    model_path: Path,
+    out_dir: Path,
+    *,
+    targets: list[tuple[str, int]] | None = None,
+    counts: dict[str, int] | None = None,
+    iterative: bool = False,
+    calib: Path | None = None,
+    samples: int = DEFAULT_SAMPLES,
+    seq_len: int = DEFAULT_SEQ_LEN,
+    provider: str = "cpu",
+    threads: int | None = None,
+    force: bool = False,
+    progress: bool = True,
+) -> dict:
+    """Drop modules and write the pruned folder.
+
+    Args:
+        targets: explicit (kind, layer) pairs, kind in attn/mlp/block.
+        counts: score-based selection: {"attn": n, "mlp": n, "block": n, "joint": n} (joint: the n lowest of
+            attention and MLP together). Uses the scores `score` attached, unless `iterative`, which re-scores
+            the pruned graph on `calib` after each single drop.
+
+    Returns:
+        {"dropped": [...], "kv_layers": [...], "nodes": {"before", "after"}}
+
+    Raises:
+        LayerdropError: no or conflicting selection, unknown modules, an unscored model for score-based selection.
+    """
+    counts = {k: v for k, v in (counts or {}).items() if v is not None}
+    if bool(targets) == bool(counts):
+        raise LayerdropError("say what to drop: either --drop KIND:LAYERS or one of --attn/--mlp/--block/--joint")
+    if counts.get("joint") is not None and len(counts) > 1:
+        raise LayerdropError("--joint already chooses among attention and MLP; do not combine it with other counts")
+    if counts.get("block") is not None and len(counts) > 1:
+        raise LayerdropError("--block cannot be combined with --attn/--mlp/--joint; drop blocks in a separate run")
+    if iterative and not counts:
+        raise LayerdropError("--iterative goes with a score-based count (--attn/--mlp/--block/--joint)")
+    folder, model = model_folder.load(model_path)
+    model_folder.reserve_output(Path(out_dir), inputs=[folder.path], force=force)
+    nodes_before = len(model.graph)
+    regions = annotated_regions(model)
+    _check_kinds_exist(regions, targets or [], counts)
+    passes: list[ir.passes.PassBase] = []
+    if targets:
+        passes.append(DropBranchesPass(targets, reason="explicit"))
+    elif not iterative:
+        rows = read_scores(model)
+        if not rows:
+            raise LayerdropError(f"{model_path} has no scores; run `layerdrop score` on it first")
+        for kinds, count in _selection_kinds(counts):
+            label = "joint" if len(kinds) > 1 else kinds[0]
+            passes.append(DropBranchesPass(select_lowest(rows, kinds, count), reason=f"{label}-{count} one-shot"))
+    else:
+        windows = windows_for(folder.path, calib, part="calib", samples=samples, seq_len=seq_len)
+        for kinds, count in _selection_kinds(counts):
+            _drop_iteratively(model, folder.path, windows, kinds, count, provider, threads, progress)
+    run_passes(model, [*passes, PruneKvCachePass(), *cleanup_passes(), FindResidualsPass()])
+    model_folder.save(model, out_dir, source=folder, force=force)
+    return {
+        "dropped": removed_modules(model),
+        "kv_layers": kv_layer_map(model),
+        "nodes": {"before": nodes_before, "after": len(model.graph)},
+    }
+
+
+def _check_kinds_exist(regions, targets: list[tuple[str, int]], counts: dict[str, int]) -> None:
+    present = {r.kind for r in regions}
+    wanted = {k for k, _ in targets} | {k for k in counts if k in ("attn", "mlp")}
+    if "joint" in counts and "attn" not in present:
+        wanted.add("attn")
+    for kind in wanted - {"block"}:
+        if kind not in present:
+            raise LayerdropError(f"this graph has no {kind} regions; nothing of that kind can be dropped")
+
+
+def _drop_iteratively(model, folder, windows, kinds, count, provider, threads, progress) -> None:
+    """Drop the lowest-scored module, re-score the pruned graph, repeat `count` times (SPEC §3, iterative)."""
+    label = "joint" if len(kinds) > 1 else kinds[0]
+    for step in range(count):
+        scores = compute_scores(model, folder, windows, provider=provider, threads=threads, progress=progress)
+        rows = [asdict(s) for s in scores]
+        target = select_lowest(rows, kinds, count - step)[:1]
+        run_passes(model, [AttachScoresPass(scores, windows.source),
+                           DropBranchesPass(target, reason=f"{label}-{count} iterative step {step + 1}"),
+                           PruneKvCachePass(), *cleanup_passes()])
+
+
+def kv_bytes_per_token(model: ir.Model) -> int | None:
+    """KV-cache bytes one token costs (keys and values of every cached layer, batch 1); None without a cache."""
+    total = 0
+    for value in model.graph.inputs:
+        if (value.name or "").startswith("past_key_values.") and value.shape is not None:
+            dims = list(value.shape)
+            heads, head_dim = dims[1], dims[3]
+            if not isinstance(heads, int) or not isinstance(head_dim, int):
+                return None
+            total += heads * head_dim * value.dtype.itemsize
+    return total or None
+
+
+def inspect(model_path: Path) -> dict:
+    """Describe a model folder: regions with their scores, KV bytes per token, what was removed."""
+    _, model = model_folder.load(model_path)
+    regions = annotated_regions(model)
+    scores = {(r["kind"], r["layer"]): r for r in read_scores(model)}
+    rows = []
+    for region in regions:
+        row = {"layer": region.layer, "kind": region.kind, "branch_nodes": len(region.branch),
+               "kv_inputs": region.kv_inputs}
+        row.update({k: v for k, v in scores.get((region.kind, region.layer), {}).items() if k in ("score", "norm_ratio")})
+        rows.append(row)
+    blocks = [r for r in scores.values() if r["kind"] == "block"]
+    return {
+        "family": model.metadata_props.get("layerdrop.family"),
+        "nodes": len(model.graph),
+        "regions": rows,
+        "blocks": sorted(blocks, key=lambda r: r["layer"]),
+        "kv_bytes_per_token": kv_bytes_per_token(model),
+        "kv_layers": kv_layer_map(model),
+        "removed": removed_modules(model),
+        "calibration": json.loads(model.metadata_props.get("layerdrop.calibration", "null")),
+    }
+
+
+def plot_scores(rows: list[dict], path: Path) -> None:
+    """Draw per-layer attention, MLP and block scores to a PNG (written atomically)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.5), dpi=110)
+    for kind, marker in (("attn", "o"), ("mlp", "s"), ("block", "^")):
+        points = sorted((r["layer"], r["score"]) for r in rows if r["kind"] == kind)
+        if points:
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, marker=marker, label=kind)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("S = 1 - cos(X, Y)  (low: candidate to drop)")
+    ax.set_yscale("log")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    ax.set_title("layerdrop importance scores")
+    fig.tight_layout()
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.partial")
+    fig.savefig(partial, format="png")
+    plt.close(fig)
+    partial.replace(path)
+
+
+def write_json(data: dict, path: Path) -> None:
+    """Write JSON atomically (temporary name, then rename)."""
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(json.dumps(data, indent=2, sort_keys=True, default=_json_default) + "\n", encoding="utf-8")
+    partial.replace(path)
+
+
+def _json_default(value):
+    if isinstance(value, (np.floating, np.integer)):
+        return value.item()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(type(value).__name__)

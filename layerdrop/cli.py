@@ -1,0 +1,200 @@
+"""The `layerdrop` command: a thin layer over layerdrop.api. Errors become one line and an exit code."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from pathlib import Path
+
+from layerdrop.errors import LayerdropError
+from layerdrop.options import parse_count, parse_modules
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2, no usage dump
+        print(f"layerdrop: error: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--debug", action="store_true", help="show the full traceback on errors")
+    parser.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    parser.add_argument("--provider", choices=("cpu", "cuda", "auto"), default="cpu")
+    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+def _output(parser: argparse.ArgumentParser, required: bool = True) -> None:
+    parser.add_argument("-o", "--output", type=Path, required=required, help="output model folder")
+    parser.add_argument("--force", action="store_true", help="replace a non-empty output folder")
+
+
+def _text_options(parser: argparse.ArgumentParser, flag: str, what: str) -> None:
+    from layerdrop.api import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN
+
+    parser.add_argument(flag, type=Path, default=None, help=f"UTF-8 {what} text (default: the bundled text)")
+    parser.add_argument("--samples", type=parse_count, default=DEFAULT_SAMPLES, help="windows to use")
+    parser.add_argument("--seq-len", type=parse_count, default=DEFAULT_SEQ_LEN, help="tokens per window")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="layerdrop", description="Drop or bypass redundant layers of exported LLMs (ONNX).")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("export", help="export a HF model folder or GGUF file (default: SmolLM2-135M) to ONNX")
+    p.add_argument("model", nargs="?", type=Path, help="HF model folder or .gguf file (default: SmolLM2-135M)")
+    _output(p)
+    p.add_argument("--no-kv-cache", action="store_true", help="export without KV-cache inputs/outputs")
+    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow models with custom code (auto_map)")
+    p.add_argument("--debug", action="store_true")
+
+    p = sub.add_parser("score", help="attach calibration scores S = 1 - cos(X, Y) to every region")
+    p.add_argument("model", type=Path, help="model folder or model.onnx")
+    _output(p, required=False)
+    _text_options(p, "--calib", "calibration")
+    p.add_argument("--batch", type=parse_count, default=1, help="windows per ONNX Runtime call")
+    p.add_argument("--json", type=Path, help="write the scores as JSON")
+    p.add_argument("--compare", type=Path, help="second calibration text: report the overlap of the rankings")
+    p.add_argument("--top-n", type=parse_count, default=8, help="n for --compare (default 8)")
+    _common(p)
+
+    p = sub.add_parser("inspect", help="show regions, scores, KV bytes per token and what was removed")
+    p.add_argument("model", type=Path)
+    p.add_argument("--plot", type=Path, help="draw the scores to a PNG")
+    p.add_argument("--json", type=Path, help="write the table as JSON")
+    p.add_argument("--debug", action="store_true")
+
+    p = sub.add_parser("drop", help="delete attention/MLP branches or whole blocks")
+    p.add_argument("model", type=Path)
+    _output(p)
+    p.add_argument("--drop", action="append", default=[], metavar="KIND:LAYERS", help="e.g. attn:3,6 mlp:12")
+    for kind in ("attn", "mlp", "block", "joint"):
+        p.add_argument(f"--{kind}", type=parse_count, metavar="N", help=f"drop the N lowest-scored {kind} modules")
+    p.add_argument("--iterative", action="store_true", help="re-score after each single drop (needs text)")
+    _text_options(p, "--calib", "calibration")
+    p.add_argument("--json", type=Path, help="write what was dropped as JSON")
+    _common(p)
+    return parser
+
+
+def _progress(args) -> bool:
+    return not getattr(args, "no_progress", False)
+
+
+def cmd_export(args) -> int:
+    from layerdrop.export.onnx_export import export_folder
+
+    out = export_folder(args.model, args.output, kv_cache=not args.no_kv_cache, dtype=args.dtype, force=args.force,
+                        trust_remote_code=args.trust_remote_code)
+    print(f"exported {'without' if args.no_kv_cache else 'with'} KV cache to {out}")
+    return 0
+
+
+def cmd_score(args) -> int:
+    from layerdrop import api
+
+    result = api.score(args.model, args.output, calib=args.calib, samples=args.samples, seq_len=args.seq_len,
+                       batch_size=args.batch, provider=args.provider, threads=args.threads, force=args.force,
+                       progress=_progress(args))
+    if args.compare:
+        other = api.score(args.model, None, calib=args.compare, samples=args.samples, seq_len=args.seq_len,
+                          batch_size=args.batch, provider=args.provider, threads=args.threads,
+                          progress=_progress(args))
+        result["compare"] = {"calibration": other["calibration"],
+                             **api.rank_overlap(result["regions"], other["regions"], args.top_n)}
+    _print_scores(result["regions"])
+    if "compare" in result:
+        c = result["compare"]
+        print(f"rank overlap: {c['shared']} of the {c['n']} lowest modules are shared with {args.compare.name}")
+    if args.json:
+        api.write_json(result, args.json)
+    if args.output:
+        print(f"scored model written to {args.output}")
+    return 0
+
+
+def _print_scores(rows: list[dict]) -> None:
+    by_layer: dict[int, dict[str, dict]] = {}
+    for row in rows:
+        by_layer.setdefault(row["layer"], {})[row["kind"]] = row
+    print(f"{'layer':>5}  {'attn S':>9} {'|Y|/|X|':>7}  {'mlp S':>9} {'|Y|/|X|':>7}  {'block S':>9} {'|Y|/|X|':>7}")
+    for layer in sorted(by_layer):
+        cells = []
+        for kind in ("attn", "mlp", "block"):
+            row = by_layer[layer].get(kind)
+            cells.append(f"{row['score']:9.5f} {row['norm_ratio']:7.3f}" if row and "score" in row else f"{'-':>9} {'':>7}")
+        print(f"{layer:>5}  " + "  ".join(cells))
+
+
+def cmd_inspect(args) -> int:
+    from layerdrop import api
+
+    info = api.inspect(args.model)
+    print(f"family: {info['family'] or 'unknown'}   nodes: {info['nodes']}   regions: {len(info['regions'])}")
+    kv = info["kv_bytes_per_token"]
+    kv_text = f"{kv} bytes/token ({len(info['kv_layers'])} cached layers)" if kv else "none (no KV-cache inputs)"
+    print(f"KV cache: {kv_text}")
+    rows = info["regions"] + [{**b, "kind": "block"} for b in info["blocks"]]
+    _print_scores(rows)
+    if info["calibration"]:
+        c = info["calibration"]
+        print(f"scores from {c['file']} ({c['samples']} x {c['seq_len']} tokens, sha256 {c['sha256'][:12]})")
+    if info["removed"]:
+        removed = ", ".join(f"{e['kind']}:{e['layer']}" + (f"(alpha {e['alpha']})" if "alpha" in e else "")
+                            for e in info["removed"])
+        print(f"removed or bypassed: {removed}")
+    if args.plot:
+        scored = [r for r in rows if "score" in r]
+        if not scored:
+            raise LayerdropError(f"{args.model} has no scores to plot; run `layerdrop score` first")
+        api.plot_scores(scored, args.plot)
+        print(f"plot written to {args.plot}")
+    if args.json:
+        api.write_json(info, args.json)
+    return 0
+
+
+def cmd_drop(args) -> int:
+    from layerdrop import api
+
+    targets = parse_modules(args.drop) if args.drop else None
+    counts = {k: getattr(args, k) for k in ("attn", "mlp", "block", "joint")}
+    result = api.drop(args.model, args.output, targets=targets, counts=counts, iterative=args.iterative,
+                      calib=args.calib, samples=args.samples, seq_len=args.seq_len, provider=args.provider,
+                      threads=args.threads, force=args.force, progress=_progress(args))
+    names = ", ".join(f"{e['kind']}:{e['layer']}" for e in result["dropped"])
+    print(f"dropped {names}; nodes {result['nodes']['before']} -> {result['nodes']['after']}; written to {args.output}")
+    if args.json:
+        api.write_json(result, args.json)
+    return 0
+
+
+COMMANDS = {"export": cmd_export, "score": cmd_score, "inspect": cmd_inspect, "drop": cmd_drop}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `layerdrop` console command; returns the exit code."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    parser = build_parser()
+    debug = "--debug" in (argv if argv is not None else sys.argv[1:])
+    try:
+        args = parser.parse_args(argv)
+        return COMMANDS[args.command](args)
+    except LayerdropError as exc:
+        if debug:
+            traceback.print_exc()
+        print(f"layerdrop: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("layerdrop: interrupted; no partial output was left", file=sys.stderr)
+        return 130
+    except MemoryError:
+        print("layerdrop: error: out of memory; use fewer --samples, a shorter --seq-len or --batch 1",
+              file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""Analysis pass: attach calibration scores to the residual regions they belong to.
+
+Each region's Add gets node metadata `layerdrop.score` ({"score", "norm_ratio"}); a block's score goes on the
+Add that ends the block under `layerdrop.block_score`. The model metadata `layerdrop.calibration` records the
+calibration text (file name, SHA-256, samples, seq_len). The graph itself is not changed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+
+import onnx_ir as ir
+
+from layerdrop.passes.find_residuals import annotated_regions
+
+SCORE_KEY = "layerdrop.score"
+BLOCK_SCORE_KEY = "layerdrop.block_score"
+CALIBRATION_KEY = "layerdrop.calibration"
+
+
+def _entry(score) -> str:
+    return json.dumps({"score": score.score, "norm_ratio": score.norm_ratio}, sort_keys=True)
+
+
+class AttachScoresPass(ir.passes.InPlacePass):
+    """Write module scores (objects with layer, kind, score, norm_ratio) into region metadata."""
+
+    def __init__(self, scores: Iterable, calibration: dict) -> None:
+        super().__init__()
+        self.scores = list(scores)
+        self.calibration = calibration
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        regions = annotated_regions(model)
+        by_key = {(r.kind, r.layer): r for r in regions}
+        last_of_layer = {r.layer: r for r in regions}
+        for score in self.scores:
+            if score.kind == "block":
+                last_of_layer[score.layer].add.metadata_props[BLOCK_SCORE_KEY] = _entry(score)
+            else:
+                by_key[(score.kind, score.layer)].add.metadata_props[SCORE_KEY] = _entry(score)
+        model.metadata_props[CALIBRATION_KEY] = json.dumps(self.calibration, sort_keys=True)
+        return ir.passes.PassResult(model, modified=True)
+
+
+def read_scores(model: ir.Model) -> list[dict]:
+    """The attached scores as rows {"layer", "kind", "score", "norm_ratio"}; [] for an unscored model."""
+    rows = []
+    for region in annotated_regions(model):
+        meta = region.add.metadata_props
+        if SCORE_KEY in meta:
+            rows.append({"layer": region.layer, "kind": region.kind, **json.loads(meta[SCORE_KEY])})
+        if BLOCK_SCORE_KEY in meta:
+            rows.append({"layer": region.layer, "kind": "block", **json.loads(meta[BLOCK_SCORE_KEY])})
+    order = {"attn": 0, "mlp": 1, "block": 2}
+    return sorted(rows, key=lambda r: (r["layer"], order[r["kind"]]))

@@ -1,0 +1,170 @@
+"""Independent PyTorch references: tiny models of five families, modules replaced by identity, hook scores."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import torch
+import transformers
+
+VOCAB = 320
+
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
+
+FAMILIES = {
+    "llama": lambda: transformers.LlamaConfig(**_COMMON),
+    "qwen2": lambda: transformers.Qwen2Config(**_COMMON),
+    "mistral": lambda: transformers.MistralConfig(**_COMMON, sliding_window=None),
+    "gemma2": lambda: transformers.Gemma2Config(
+        **{**_COMMON, "tie_word_embeddings": True}, head_dim=8, sliding_window=256, query_pre_attn_scalar=8
+    ),
+    "phi3": lambda: transformers.Phi3Config(**_COMMON, pad_token_id=0),
+}
+
+
+def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
+    """A random-weight model of `family`; norms get random weights too, so no two norms are alike."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(FAMILIES[family](), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.2)
+            if name.endswith("bias"):
+                param.add_(torch.randn_like(param) * 0.1)
+    return model
+
+
+class _ZeroAttention(torch.nn.Module):
+    def forward(self, hidden_states, *args, **kwargs):
+        return torch.zeros_like(hidden_states), None
+
+
+class _ZeroMLP(torch.nn.Module):
+    def forward(self, hidden_states, *args, **kwargs):
+        return torch.zeros_like(hidden_states)
+
+
+class _RescaledVO(torch.nn.Module):
+    """SPEC §4: attention replaced by alpha * (x W_V, heads repeated to the query heads) W_O (+ biases)."""
+
+    def __init__(self, attention: torch.nn.Module, config, alpha: float) -> None:
+        super().__init__()
+        self.attention = attention
+        self.alpha = alpha
+        text = config.get_text_config(decoder=True)
+        self.heads = text.num_attention_heads
+        self.kv_heads = getattr(text, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // self.heads
+
+    def _values(self, x: torch.Tensor) -> torch.Tensor:
+        attn = self.attention
+        if hasattr(attn, "v_proj"):
+            return attn.v_proj(x)
+        qkv = attn.qkv_proj(x)  # Phi-3: packed [q | k | v]
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return qkv[..., q_size + kv_size : q_size + 2 * kv_size]
+
+    def forward(self, hidden_states, *args, **kwargs):
+        v = self._values(hidden_states)
+        b, t, _ = v.shape
+        v = v.view(b, t, self.kv_heads, self.head_dim)
+        v = v.repeat_interleave(self.heads // self.kv_heads, dim=2).reshape(b, t, self.heads * self.head_dim)
+        return self.alpha * self.attention.o_proj(v), None
+
+
+def replaced(model: torch.nn.Module, targets, alphas: dict[int, float] | None = None) -> torch.nn.Module:
+    """A copy of `model` with (kind, layer) modules replaced by zero branches and HARP layers by the V·O map.
+
+    For Gemma-2 the post-attention norm stays after the V·O map and alpha scales after it (SPEC §4).
+    """
+    model = copy.deepcopy(model)
+    layers = model.model.layers
+    for kind, index in targets:
+        if kind in ("attn", "block"):
+            layers[index].self_attn = _ZeroAttention()
+        if kind in ("mlp", "block"):
+            layers[index].mlp = _ZeroMLP()
+    for index, alpha in (alphas or {}).items():
+        layer = layers[index]
+        if hasattr(layer, "post_feedforward_layernorm"):  # Gemma-2: alpha after the post-attention norm
+            layer.self_attn = _RescaledVO(layer.self_attn, model.config, 1.0)
+            norm = layer.post_attention_layernorm
+            layer.post_attention_layernorm = _Scaled(norm, alpha)
+        else:
+            layer.self_attn = _RescaledVO(layer.self_attn, model.config, alpha)
+    return model
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self, inner: torch.nn.Module, alpha: float) -> None:
+        super().__init__()
+        self.inner = inner
+        self.alpha = alpha
+
+    def forward(self, x):
+        return self.alpha * self.inner(x)
+
+
+def logits(model: torch.nn.Module, ids: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+    with torch.no_grad():
+        kwargs = {} if mask is None else {"attention_mask": torch.tensor(mask)}
+        return model(torch.tensor(ids), use_cache=False, **kwargs).logits.numpy()
+
+
+def greedy(model: torch.nn.Module, ids: np.ndarray, steps: int) -> tuple[list[int], list[np.ndarray]]:
+    """Greedy decoding by recomputing the whole sequence each step (no cache): tokens and last-position logits."""
+    seq = list(ids[0])
+    tokens, step_logits = [], []
+    for _ in range(steps):
+        last = logits(model, np.array([seq]))[0, -1]
+        token = int(np.argmax(last))
+        tokens.append(token)
+        step_logits.append(last)
+        seq.append(token)
+    return tokens, step_logits
+
+
+def hook_scores(model: torch.nn.Module, windows: np.ndarray) -> dict[tuple[str, int], float]:
+    """SPEC §2 scores from forward hooks: X before each norm, Y after each residual Add, float64 cosine."""
+    captured: dict[tuple[str, int], list[torch.Tensor]] = {}
+    handles = []
+    for i, layer in enumerate(model.model.layers):
+        def before(name):
+            def hook(module, args, kwargs=None):
+                captured.setdefault(name, []).append(args[0].detach())
+            return hook
+
+        handles.append(layer.input_layernorm.register_forward_pre_hook(before(("x_attn", i))))
+        mlp_norm = getattr(layer, "pre_feedforward_layernorm", None) or layer.post_attention_layernorm
+        handles.append(mlp_norm.register_forward_pre_hook(before(("x_mlp", i))))
+        handles.append(layer.register_forward_hook(
+            lambda module, args, out, i=i: captured.setdefault(("out", i), []).append(
+                (out[0] if isinstance(out, tuple) else out).detach())))
+    with torch.no_grad():
+        for row in windows:
+            model(torch.tensor(row[None]), use_cache=False)
+    for handle in handles:
+        handle.remove()
+
+    def distance(x_key, y_key):
+        x = torch.cat(captured[x_key]).double()
+        y = torch.cat(captured[y_key]).double()
+        return float((1 - torch.nn.functional.cosine_similarity(x, y, dim=-1)).mean())
+
+    scores = {}
+    for i in range(len(model.model.layers)):
+        scores[("attn", i)] = distance(("x_attn", i), ("x_mlp", i))
+        scores[("mlp", i)] = distance(("x_mlp", i), ("out", i))
+        scores[("block", i)] = distance(("x_attn", i), ("out", i))
+    return scores
