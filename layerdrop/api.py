@@ -219,7 +219,8 @@ def inspect(model_path: Path) -> dict:
     for region in regions:
         row = {"layer": region.layer, "kind": region.kind, "branch_nodes": len(region.branch),
                "kv_inputs": region.kv_inputs}
-        row.update({k: v for k, v in scores.get((region.kind, region.layer), {}).items() if k in ("score", "norm_ratio")})
+        scored = scores.get((region.kind, region.layer), {})
+        row.update({k: v for k, v in scored.items() if k in ("score", "norm_ratio")})
         rows.append(row)
     blocks = [r for r in scores.values() if r["kind"] == "block"]
     return {

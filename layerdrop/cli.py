@@ -124,7 +124,8 @@ def _print_scores(rows: list[dict]) -> None:
         cells = []
         for kind in ("attn", "mlp", "block"):
             row = by_layer[layer].get(kind)
-            cells.append(f"{row['score']:9.5f} {row['norm_ratio']:7.3f}" if row and "score" in row else f"{'-':>9} {'':>7}")
+            scored = row and "score" in row
+            cells.append(f"{row['score']:9.5f} {row['norm_ratio']:7.3f}" if scored else f"{'-':>9} {'':>7}")
         print(f"{layer:>5}  " + "  ".join(cells))
 
 

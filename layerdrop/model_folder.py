@@ -99,7 +99,8 @@ def load(path: Path | str) -> tuple[ModelFolder, ir.Model]:
     try:
         model = ir.serde.deserialize_model(proto)
     except Exception as exc:  # noqa: BLE001 - malformed protos fail deep inside the deserializer
-        raise LayerdropError(f"{folder.onnx_path} is a malformed ONNX model: {str(exc).splitlines()[0][:200]}") from None
+        reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise LayerdropError(f"{folder.onnx_path} is a malformed ONNX model: {reason}") from None
     _set_base_dir(model, folder.path)
     return folder, model
 
@@ -181,6 +182,6 @@ def save(
             publish_folder(staged, out_dir, force=force)
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise OutputError(f"no space left while writing {out_dir}; nothing was written, free space and rerun") from None
+            raise OutputError(f"no space left while writing {out_dir}; nothing was written, free space") from None
         raise OutputError(f"cannot write {out_dir}: {exc.strerror or exc}; nothing was written") from None
     return out_dir

@@ -13,10 +13,10 @@ from collections.abc import Iterable
 import onnx_ir as ir
 
 from layerdrop.errors import LayerdropError
+from layerdrop.passes.attach_scores import SCORE_KEY
 from layerdrop.passes.find_residuals import REGION_KEY, ResidualRegion, annotated_regions
 
 DROPPED_KEY = "layerdrop.dropped"
-from layerdrop.passes.attach_scores import SCORE_KEY
 
 
 def removed_modules(model: ir.Model) -> list[dict]:
