@@ -16,7 +16,10 @@ from layerdrop.passes.attach_scores import AttachScoresPass, read_scores
 from layerdrop.passes.cleanup import cleanup_passes, run_passes
 from layerdrop.passes.drop_branches import DropBranchesPass, removed_modules
 from layerdrop.passes.find_residuals import FindResidualsPass, annotated_regions
+from layerdrop.passes.fold_alpha import fold_alpha_rules
+from layerdrop.passes.harp_bypass import HarpBypassPass
 from layerdrop.passes.prune_kv_cache import PruneKvCachePass, kv_layer_map
+from layerdrop.runtime.alpha_search import greedy_alpha_search
 from layerdrop.runtime.scoring import compute_scores
 from layerdrop.runtime.text import Windows, bundled_text, pack_windows
 
@@ -166,13 +169,88 @@ def drop(
         windows = windows_for(folder.path, calib, part="calib", samples=samples, seq_len=seq_len)
         for kinds, count in _selection_kinds(counts):
             _drop_iteratively(model, folder.path, windows, kinds, count, provider, threads, progress)
-    run_passes(model, [*passes, PruneKvCachePass(), *cleanup_passes(), FindResidualsPass()])
+    run_passes(model, [*passes, *rewrite_passes([], {}, "")])
     model_folder.save(model, out_dir, source=folder, force=force)
     return {
         "dropped": removed_modules(model),
         "kv_layers": kv_layer_map(model),
         "nodes": {"before": nodes_before, "after": len(model.graph)},
     }
+
+
+HARP_SEARCH_KEY = "layerdrop.harp_search"
+
+
+def rewrite_passes(drops: list[tuple[str, int]], alphas: dict[int, float], reason: str) -> list[ir.passes.PassBase]:
+    """The passes that apply drops and HARP bypasses, fold alphas, prune the KV cache and clean up."""
+    from onnxscript.rewriter import RewritePass
+
+    passes: list[ir.passes.PassBase] = []
+    if drops:
+        passes.append(DropBranchesPass(drops, reason=reason))
+    if alphas:
+        passes += [HarpBypassPass(alphas), RewritePass(fold_alpha_rules())]
+    return [*passes, PruneKvCachePass(), *cleanup_passes(), FindResidualsPass()]
+
+
+def harp(
+    model_path: Path,
+    out_dir: Path,
+    *,
+    alphas: dict[int, float] | None = None,
+    top: int | None = None,
+    search: bool = False,
+    eval_text: Path | None = None,
+    samples: int = 8,
+    seq_len: int = DEFAULT_SEQ_LEN,
+    provider: str = "cpu",
+    threads: int | None = None,
+    force: bool = False,
+    progress: bool = True,
+) -> dict:
+    """Replace attention by the rescaled V·O map (SPEC §4) in chosen layers, and write the folder.
+
+    Either explicit `alphas` (layer -> alpha), or `top` K layers with `search` (greedy, top-down, over
+    {0, 0.1, ..., 1}, by perplexity on `eval_text`), or `top` K with alpha = 1.
+
+    Returns:
+        {"alphas": {...}, "trials": [...], "search_seconds": s, "kv_layers": [...]}
+
+    Raises:
+        LayerdropError: no or conflicting selection, bad layers or alphas.
+    """
+    import time
+
+    if bool(alphas) == (top is not None):
+        raise LayerdropError("say which layers: either --alpha LAYER=A,... or --top K (with --search)")
+    if search and top is None:
+        raise LayerdropError("--search goes with --top K")
+    folder, model = model_folder.load(model_path)
+    model_folder.reserve_output(Path(out_dir), inputs=[folder.path], force=force)
+    attention = sorted(r.layer for r in annotated_regions(model) if r.kind == "attn")
+    if not attention:
+        raise LayerdropError("this graph has no attention regions to bypass")
+    trials: list[dict] = []
+    seconds = 0.0
+    if top is not None:
+        if not 1 <= top <= len(attention):
+            raise LayerdropError(f"--top {top} is out of range: the model has {len(attention)} attention layers")
+        layers = attention[::-1][:top]
+        if search:
+            windows = windows_for(folder.path, eval_text, part="calib", samples=samples, seq_len=seq_len)
+            start = time.perf_counter()
+            found = greedy_alpha_search(model, folder.path, windows.ids, layers, progress=progress,
+                                        provider=provider, threads=threads)
+            seconds = time.perf_counter() - start
+            alphas, trials = found.alphas, found.trials
+            model.metadata_props[HARP_SEARCH_KEY] = json.dumps(
+                {"text": windows.source, "trials": trials, "seconds": round(seconds, 1)}, sort_keys=True)
+        else:
+            alphas = {layer: 1.0 for layer in layers}
+    run_passes(model, rewrite_passes([], alphas, "harp"))
+    model_folder.save(model, out_dir, source=folder, force=force)
+    return {"alphas": {int(k): v for k, v in alphas.items()}, "trials": trials, "search_seconds": seconds,
+            "kv_layers": kv_layer_map(model)}
 
 
 def _check_kinds_exist(regions, targets: list[tuple[str, int]], counts: dict[str, int]) -> None:
@@ -195,6 +273,33 @@ def _drop_iteratively(model, folder, windows, kinds, count, provider, threads, p
         run_passes(model, [AttachScoresPass(scores, windows.source),
                            DropBranchesPass(target, reason=f"{label}-{count} iterative step {step + 1}"),
                            PruneKvCachePass(), *cleanup_passes()])
+
+
+def evaluate(
+    model_path: Path,
+    *,
+    text: Path | None = None,
+    samples: int | None = 32,
+    seq_len: int = DEFAULT_SEQ_LEN,
+    batch_size: int = 1,
+    provider: str = "cpu",
+    threads: int | None = None,
+    progress: bool = True,
+) -> dict:
+    """Perplexity of a model folder on packed windows of `text` (default: the bundled evaluation text).
+
+    Returns:
+        {"perplexity", "nll", "tokens", "text": {...}}
+    """
+    from layerdrop.runtime.evaluate import perplexity
+    from layerdrop.runtime.session import make_session
+
+    folder = model_folder.resolve(model_path)
+    model_folder.load(model_path)  # validates the folder and its external data before ONNX Runtime reads it
+    windows = windows_for(folder.path, text, part="eval", samples=samples, seq_len=seq_len)
+    session = make_session(folder.onnx_path, provider=provider, threads=threads)
+    result = perplexity(session, windows.ids, batch_size=batch_size, progress=progress)
+    return {"perplexity": result.perplexity, "nll": result.nll, "tokens": result.tokens, "text": windows.source}
 
 
 def kv_bytes_per_token(model: ir.Model) -> int | None:

@@ -9,7 +9,7 @@ import traceback
 from pathlib import Path
 
 from layerdrop.errors import LayerdropError
-from layerdrop.options import parse_count, parse_modules
+from layerdrop.options import parse_alphas, parse_count, parse_modules
 
 
 class _Parser(argparse.ArgumentParser):
@@ -75,6 +75,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iterative", action="store_true", help="re-score after each single drop (needs text)")
     _text_options(p, "--calib", "calibration")
     p.add_argument("--json", type=Path, help="write what was dropped as JSON")
+    _common(p)
+
+    p = sub.add_parser("harp", help="replace top-layer attention by a rescaled V·O projection (HARP)")
+    p.add_argument("model", type=Path)
+    _output(p)
+    p.add_argument("--alpha", type=parse_alphas, metavar="LAYER=A,...", help="explicit alphas, e.g. 29=0.8,28=0.2")
+    p.add_argument("--top", type=parse_count, metavar="K", help="bypass the top K attention layers")
+    p.add_argument("--search", action="store_true", help="search alphas greedily top-down (needs --top)")
+    p.add_argument("--eval", type=Path, default=None, help="held-out text for the search (default: bundled)")
+    p.add_argument("--samples", type=parse_count, default=8, help="windows of held-out text for the search")
+    p.add_argument("--seq-len", type=parse_count, default=256)
+    p.add_argument("--json", type=Path, help="write the alphas and every perplexity tried as JSON")
     _common(p)
     return parser
 
@@ -172,7 +184,21 @@ def cmd_drop(args) -> int:
     return 0
 
 
-COMMANDS = {"export": cmd_export, "score": cmd_score, "inspect": cmd_inspect, "drop": cmd_drop}
+def cmd_harp(args) -> int:
+    from layerdrop import api
+
+    result = api.harp(args.model, args.output, alphas=args.alpha, top=args.top, search=args.search,
+                      eval_text=args.eval, samples=args.samples, seq_len=args.seq_len, provider=args.provider,
+                      threads=args.threads, force=args.force, progress=_progress(args))
+    alphas = ", ".join(f"{layer}={alpha:g}" for layer, alpha in sorted(result["alphas"].items(), reverse=True))
+    searched = f" (searched in {result['search_seconds']:.0f} s)" if result["trials"] else ""
+    print(f"HARP alphas {alphas}{searched}; written to {args.output}")
+    if args.json:
+        api.write_json(result, args.json)
+    return 0
+
+
+COMMANDS = {"export": cmd_export, "score": cmd_score, "inspect": cmd_inspect, "drop": cmd_drop, "harp": cmd_harp}
 
 
 def main(argv: list[str] | None = None) -> int:

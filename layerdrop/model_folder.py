@@ -112,6 +112,17 @@ def _set_base_dir(model: ir.Model, base_dir: Path) -> None:
             tensor.base_dir = str(base_dir)
 
 
+def copy_model(model: ir.Model) -> ir.Model:
+    """A deep copy of `model`; external weights stay references to the same files and are not read."""
+    copy = ir.serde.deserialize_model(ir.serde.serialize_model(model))
+    for name, value in copy.graph.initializers.items():
+        original = model.graph.initializers.get(name)
+        if isinstance(value.const_value, ir.ExternalTensor) and original is not None:
+            if isinstance(original.const_value, ir.ExternalTensor):
+                value.const_value.base_dir = original.const_value.base_dir
+    return copy
+
+
 def reserve_output(out_dir: Path, *, inputs: list[Path | str], force: bool) -> None:
     """Refuse an output folder equal to an input, or non-empty without `force`; check that its parent is writable.
 

@@ -124,6 +124,10 @@ def export_model(
     program.model.metadata_props["layerdrop.family"] = family
     program.model.metadata_props["layerdrop.num_layers"] = str(layers)
     program.model.metadata_props["layerdrop.kv_cache"] = "1" if kv_cache else "0"
+    text_config = model.config.get_text_config(decoder=True)
+    program.model.metadata_props["layerdrop.num_attention_heads"] = str(text_config.num_attention_heads)
+    program.model.metadata_props["layerdrop.num_kv_heads"] = str(kv_heads)
+    program.model.metadata_props["layerdrop.head_dim"] = str(head_dim)
     program.model.producer_version = torch.__version__
     program.save(str(out_path), external_data=True)
 

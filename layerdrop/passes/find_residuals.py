@@ -28,7 +28,7 @@ _LAYER_SCOPE = re.compile(r"layers\.(?:slice\([^)]*\)\.)?(\d+)$")
 class ResidualRegion:
     """One residual sublayer: Y = X + branch(X)."""
 
-    kind: str  # "attn" or "mlp"
+    kind: str  # "attn", "mlp", or "harp" (an attention layer already bypassed by HARP)
     layer: int
     add: ir.Node
     skip: ir.Value  # X
@@ -156,6 +156,8 @@ def find_residual_regions(graph: ir.Graph) -> list[ResidualRegion]:
             branch = _branch_nodes(skip, other, order)
             if branch and _has_weight_projection(branch):
                 kind = "attn" if any(n.op_type in ATTENTION_OPS for n in branch) else "mlp"
+                if _recorded(node).get("kind") == "harp":
+                    kind = "harp"  # an attention layer that HARP turned into a per-token map
                 regions.append(
                     ResidualRegion(kind, -1, node, skip, other, branch, _norm_output(branch), [], [])
                 )
@@ -188,17 +190,38 @@ def _residual_stream(candidates: list[ResidualRegion]) -> list[ResidualRegion]:
     return max(longest.values(), key=len, default=[])
 
 
+def _recorded(node: ir.Node) -> dict:
+    """The annotation an earlier analysis left on this Add ({} if none or unreadable)."""
+    try:
+        recorded = json.loads(node.metadata_props.get(REGION_KEY, "{}"))
+    except json.JSONDecodeError:
+        return {}
+    return recorded if isinstance(recorded, dict) else {}
+
+
+def _layer_hint(node: ir.Node) -> int | None:
+    """The layer an earlier analysis recorded on this Add (stable across drops), else the exporter's provenance."""
+    layer = _recorded(node).get("layer")
+    if isinstance(layer, int):
+        return layer
+    return _provenance_layer(node)
+
+
 def _assign_layers(regions: list[ResidualRegion]) -> None:
-    """Layer i holds the i-th attention region and the MLP regions that follow it."""
+    """A layer starts at each attention region, and at an MLP region that follows another MLP region.
+
+    Structure alone cannot see a whole block that was removed; where every region carries a consistent hint
+    (an earlier annotation or the exporter's provenance), the hints win.
+    """
     layer = -1
+    previous = None
     for region in regions:
-        if region.kind == "attn" or layer < 0:
+        if region.kind in ("attn", "harp") or previous in (None, "mlp"):
             layer += 1
         region.layer = layer
-    hints = [_provenance_layer(r.add) for r in regions]
+        previous = region.kind
+    hints = [_layer_hint(r.add) for r in regions]
     if all(h is not None for h in hints) and hints != [r.layer for r in regions]:
-        # Provenance disagrees with structure (e.g. a model whose first layers have no attention):
-        # trust provenance only when it is consistent, one region of each kind per layer at most.
         pairs = [(h, r.kind) for h, r in zip(hints, regions)]
         if len(set(pairs)) == len(pairs) and hints == sorted(hints):
             for hint, region in zip(hints, regions):

@@ -30,19 +30,26 @@ def empty_past(session: ort.InferenceSession, batch: int) -> dict[str, np.ndarra
 
 
 def prefill_feed(
-    session: ort.InferenceSession, ids: np.ndarray, mask: np.ndarray | None = None
+    session: ort.InferenceSession,
+    ids: np.ndarray,
+    mask: np.ndarray | None = None,
+    *,
+    extra: dict[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
     """Inputs for a full-sequence forward of `ids` [batch, seq] (past length 0 in a KV graph).
 
-    Padding (mask 0) is allowed; positions count real tokens only, as Hugging Face does.
+    Padding (mask 0) is allowed; positions count real tokens only, as Hugging Face does. `extra` inputs (a cached
+    hidden state, an alpha during a search) are passed as they are.
 
     Raises:
         LayerdropError: the graph has an input layerdrop cannot fill.
     """
     ids = np.asarray(ids, dtype=np.int64)
     mask = np.ones_like(ids) if mask is None else np.asarray(mask, dtype=np.int64)
-    feed: dict[str, np.ndarray] = {}
+    feed: dict[str, np.ndarray] = dict(extra or {})
     for info in session.get_inputs():
+        if info.name in feed:
+            continue
         if info.name == "input_ids":
             feed[info.name] = ids
         elif info.name == "attention_mask":

@@ -14,6 +14,7 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 from tqdm import tqdm
 
+from layerdrop.model_folder import copy_model
 from layerdrop.passes.find_residuals import ResidualRegion, find_residual_regions
 from layerdrop.runtime.feeds import prefill_feed
 from layerdrop.runtime.session import make_session
@@ -30,11 +31,6 @@ class ModuleScore:
     norm_ratio: float
 
 
-def _copy(model: ir.Model) -> ir.Model:
-    # A serialize/deserialize round trip copies the graph; external weights stay references, never read.
-    return ir.serde.deserialize_model(ir.serde.serialize_model(model))
-
-
 def _block_spans(regions: list[ResidualRegion]) -> dict[int, tuple[ir.Value, ir.Value]]:
     spans: dict[int, tuple[ir.Value, ir.Value]] = {}
     for region in regions:
@@ -48,7 +44,7 @@ def calibration_model(model: ir.Model) -> tuple[ir.Model, list[tuple[str, int, s
 
     Returns the copy and one (kind, layer, x_name, y_name) row per module, regions first, then blocks.
     """
-    copy = _copy(model)
+    copy = copy_model(model)
     regions = find_residual_regions(copy.graph)
     rows = [(r.kind, r.layer, r.skip, r.output) for r in regions]
     rows += [("block", layer, x, y) for layer, (x, y) in _block_spans(regions).items()]

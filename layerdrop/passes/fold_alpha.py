@@ -1,0 +1,78 @@
+"""Rewrite rules: fold a constant scale that follows a constant projection into the projection's weights.
+
+    Mul(MatMul(x, W), c)          -> MatMul(x, W * c)
+    Mul(Add(MatMul(x, W), b), c)  -> Add(MatMul(x, W * c), b * c)
+
+HARP writes its rescaling as a Mul after the folded V·O projection; these rules remove that Mul wherever the
+scale is a constant scalar and nothing else reads the intermediate values.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
+
+
+def _constant(value: ir.Value | None) -> np.ndarray | None:
+    if value is None or value.const_value is None or value.is_graph_input():
+        return None
+    return value.const_value.numpy()
+
+
+def _scalar(value: ir.Value) -> bool:
+    array = _constant(value)
+    return array is not None and array.size == 1
+
+
+def _single_use(value: ir.Value) -> bool:
+    return len(value.uses()) == 1 and not value.is_graph_output()
+
+
+class ScaledMatMul(RewriteRuleClassBase):
+    """Mul(MatMul(x, W), c) -> MatMul(x, W * c) for constant W and scalar c."""
+
+    def pattern(self, op, x, w, c):
+        return op.Mul(op.MatMul(x, w, _outputs=["projected"]), c)
+
+    def check(self, context, x, w, c, projected, **_) -> MatchResult:
+        result = MatchResult()
+        if _constant(w) is None or not _scalar(c):
+            return result.fail("weight or scale is not constant")
+        if not _single_use(projected) or len(w.uses()) != 1:
+            return result.fail("the projection or its weight is shared")
+        return result
+
+    def rewrite(self, op, x, w, c, projected, **_):
+        scale = _constant(c).reshape(())
+        weight = (_constant(w) * scale).astype(_constant(w).dtype)
+        return op.MatMul(x, op.initializer(ir.tensor(weight), name=f"{w.name}_scaled"))
+
+
+class ScaledMatMulBias(RewriteRuleClassBase):
+    """Mul(Add(MatMul(x, W), b), c) -> Add(MatMul(x, W * c), b * c) for constant W, b and scalar c."""
+
+    def pattern(self, op, x, w, b, c):
+        return op.Mul(op.Add(op.MatMul(x, w, _outputs=["projected"]), b, _outputs=["biased"]), c)
+
+    def check(self, context, x, w, b, c, projected, biased, **_) -> MatchResult:
+        result = MatchResult()
+        if _constant(w) is None or _constant(b) is None or not _scalar(c):
+            return result.fail("weight, bias or scale is not constant")
+        if not (_single_use(projected) and _single_use(biased)) or len(w.uses()) != 1 or len(b.uses()) != 1:
+            return result.fail("an intermediate value or a constant is shared")
+        return result
+
+    def rewrite(self, op, x, w, b, c, projected, biased, **_):
+        scale = _constant(c).reshape(())
+        weight = (_constant(w) * scale).astype(_constant(w).dtype)
+        bias = (_constant(b) * scale).astype(_constant(b).dtype)
+        return op.Add(
+            op.MatMul(x, op.initializer(ir.tensor(weight), name=f"{w.name}_scaled")),
+            op.initializer(ir.tensor(bias), name=f"{b.name}_scaled"),
+        )
+
+
+def fold_alpha_rules() -> RewriteRuleSet:
+    """The rule set that folds HARP's alpha into the V·O projection."""
+    return RewriteRuleSet([ScaledMatMulBias.rule(), ScaledMatMul.rule()])

@@ -1,0 +1,215 @@
+"""Rewrite pass: HARP (SPEC §4) -- replace attention by a rescaled, per-token V·O projection.
+
+For a chosen layer the attention branch becomes  alpha * (Norm(X) W_V') W_O  (+ folded biases), where W_V' repeats
+the KV heads to match the query heads. W_V' W_O is one constant d x d matrix. Q, K, rotary, softmax and the
+layer's KV cache become dead. A post-attention norm inside the branch (Gemma-2) stays, and alpha multiplies after
+it. alpha = 0 removes the branch. The Mul by alpha is folded into the matrix afterwards by `fold_alpha` rules
+wherever it directly follows the projection.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx_ir as ir
+
+from layerdrop.errors import LayerdropError
+from layerdrop.passes.drop_branches import DROPPED_KEY, bypass, region_score, removed_modules
+from layerdrop.passes.find_residuals import PROJECTION_OPS, REGION_KEY, ResidualRegion, annotated_regions
+
+
+def _weight(node: ir.Node) -> np.ndarray | None:
+    """The constant [in, out] weight of a MatMul (through a Transpose of a constant, if any)."""
+    if node.op_type != "MatMul":
+        return None
+    value = node.inputs[1]
+    if value.const_value is not None:
+        return value.const_value.numpy()
+    producer = value.producer()
+    if producer is not None and producer.op_type == "Transpose" and producer.inputs[0].const_value is not None:
+        perm = producer.attributes.get_ints("perm", None)
+        return np.transpose(producer.inputs[0].const_value.numpy(), perm)
+    return None
+
+
+def _bias_after(value: ir.Value) -> tuple[ir.Value, np.ndarray | None]:
+    """If `value` is only read by an Add with a constant, return (that Add's output, the constant)."""
+    uses = value.uses()
+    if len(uses) == 1 and uses[0].node.op_type == "Add":
+        add = uses[0].node
+        other = add.inputs[1 - uses[0].idx]
+        if other is not None and other.const_value is not None:
+            return add.outputs[0], other.const_value.numpy()
+    return value, None
+
+
+def _reaches(start: ir.Value, targets: set[ir.Node], members: set[ir.Node]) -> bool:
+    stack, seen = [use.node for use in start.uses()], set()
+    while stack:
+        node = stack.pop()
+        if node in seen or node not in members:
+            continue
+        if node in targets:
+            return True
+        seen.add(node)
+        stack.extend(use.node for out in node.outputs for use in out.uses())
+    return False
+
+
+def _constant_ints(value: ir.Value | None) -> list[int] | None:
+    if value is None or value.const_value is None:
+        return None
+    return [int(v) for v in np.asarray(value.const_value.numpy()).reshape(-1)]
+
+
+def _value_projection(region: ResidualRegion) -> tuple[np.ndarray, np.ndarray | None]:
+    """W_V [d, kv*hd] and its bias, also out of a packed qkv projection (the slice that feeds no Softmax)."""
+    members = set(region.branch)
+    softmax = {n for n in region.branch if n.op_type == "Softmax"}
+    entries = [n for n in region.branch if n.op_type in PROJECTION_OPS and n.inputs[0] is region.norm_output]
+    for node in entries:
+        weight = _weight(node)
+        out, bias = _bias_after(node.outputs[0])
+        if weight is not None and not _reaches(out, softmax, members):
+            return weight, bias
+    for node in entries:
+        weight = _weight(node)
+        out, bias = _bias_after(node.outputs[0])
+        for use in out.uses():
+            piece = use.node
+            if weight is None or piece.op_type != "Slice" or _reaches(piece.outputs[0], softmax, members):
+                continue
+            starts, ends = _constant_ints(piece.inputs[1]), _constant_ints(piece.inputs[2])
+            axes = _constant_ints(piece.inputs[3]) if len(piece.inputs) > 3 else [-1]
+            steps = _constant_ints(piece.inputs[4]) if len(piece.inputs) > 4 else [1]
+            rank = len(out.shape) if out.shape is not None else 3
+            if None in (starts, ends, axes, steps) or len(starts) != 1 or steps != [1] or axes[0] % rank != rank - 1:
+                continue
+            width = weight.shape[1]
+            begin, end = (max(0, min(v if v >= 0 else v + width, width)) for v in (starts[0], ends[0]))
+            return weight[:, begin:end], None if bias is None else bias[begin:end]
+    raise LayerdropError(f"cannot find the value projection of attention layer {region.layer}; HARP needs it")
+
+
+def _output_projection(region: ResidualRegion) -> tuple[ir.Node, ir.Value, np.ndarray, np.ndarray | None]:
+    """The last weight projection of the branch (W_O), its output value (after its bias) and weights."""
+    for node in reversed(region.branch):
+        weight = _weight(node)
+        if node.op_type in PROJECTION_OPS and weight is not None:
+            out, bias = _bias_after(node.outputs[0])
+            return node, out, weight, bias
+    raise LayerdropError(f"cannot find the output projection of attention layer {region.layer}; HARP needs it")
+
+
+def head_layout(model: ir.Model) -> tuple[int, int, int]:
+    """(query heads, kv heads, head_dim) from the metadata written at export.
+
+    Raises:
+        LayerdropError: the model carries no head layout.
+    """
+    meta = model.metadata_props
+    try:
+        return int(meta["layerdrop.num_attention_heads"]), int(meta["layerdrop.num_kv_heads"]), int(
+            meta["layerdrop.head_dim"])
+    except KeyError:
+        raise LayerdropError("the model has no head layout metadata; re-export it with `layerdrop export`") from None
+
+
+def folded_vo(region: ResidualRegion, heads: int, kv_heads: int, head_dim: int):
+    """(O-projection node, its output value, W_V' W_O [d, d], folded bias or None)."""
+    w_v, b_v = _value_projection(region)
+    o_node, o_out, w_o, b_o = _output_projection(region)
+    if w_v.shape[1] != kv_heads * head_dim or w_o.shape[0] != heads * head_dim:
+        raise LayerdropError(
+            f"layer {region.layer}: V is {w_v.shape[1]} wide and O reads {w_o.shape[0]}, which does not fit "
+            f"{heads} heads / {kv_heads} KV heads of size {head_dim}")
+    source = np.repeat(np.arange(kv_heads), heads // kv_heads)  # query head h reads KV head h // n_rep
+    columns = (source[:, None] * head_dim + np.arange(head_dim)[None, :]).reshape(-1)
+    w_v_expanded = w_v.astype(np.float64)[:, columns]
+    matrix = (w_v_expanded @ w_o.astype(np.float64)).astype(w_o.dtype)
+    bias = None
+    if b_v is not None or b_o is not None:
+        bias = np.zeros(w_o.shape[1], dtype=np.float64)
+        if b_v is not None:
+            bias += b_v.astype(np.float64)[columns] @ w_o.astype(np.float64)
+        if b_o is not None:
+            bias += b_o.astype(np.float64)
+        bias = bias.astype(w_o.dtype)
+    return o_node, o_out, matrix, bias
+
+
+def _initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
+                     const_value=ir.tensor(array, name=name))
+    graph.register_initializer(value)
+    return value
+
+
+class HarpBypassPass(ir.passes.InPlacePass):
+    """Replace the attention of chosen layers by the rescaled V·O map.
+
+    Args:
+        alphas: layer -> alpha in [0, 1], or layer -> the name of a scalar float graph input to create (used by
+            the alpha search, so one graph serves all candidates).
+
+    Records each layer with its alpha and KV entries under model metadata `layerdrop.dropped` (how = "harp").
+
+    Raises:
+        LayerdropError: a layer has no attention region, or its V/O projections cannot be located.
+    """
+
+    def __init__(self, alphas: dict[int, float | str]) -> None:
+        super().__init__()
+        self.alphas = dict(alphas)
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        regions = {r.layer: r for r in annotated_regions(model) if r.kind == "attn"}
+        missing = sorted(set(self.alphas) - set(regions))
+        if missing:
+            raise LayerdropError(f"no attention to bypass in layer(s) {missing}: the model's attention layers are "
+                                 f"{sorted(regions)}")
+        heads, kv_heads, head_dim = head_layout(model)
+        history = removed_modules(model)
+        removed = []
+        for layer in sorted(self.alphas, reverse=True):
+            region, alpha = regions[layer], self.alphas[layer]
+            history.append({"kind": "attn", "layer": layer, "how": "harp", "alpha": alpha,
+                            "score": region_score(region), "kv_inputs": region.kv_inputs,
+                            "kv_outputs": region.kv_outputs, "reason": "harp"})
+            if alpha == 0:
+                region.add.metadata_props.pop(REGION_KEY, None)
+                removed.append(region)
+                continue
+            self._rewrite(graph, region, alpha, heads, kv_heads, head_dim)
+        bypass(sorted(removed, key=lambda r: r.layer))
+        model.metadata_props[DROPPED_KEY] = json.dumps(history, sort_keys=True)
+        return ir.passes.PassResult(model, modified=True)
+
+    @staticmethod
+    def _rewrite(graph, region: ResidualRegion, alpha, heads, kv_heads, head_dim) -> None:
+        o_node, o_out, matrix, bias = folded_vo(region, heads, kv_heads, head_dim)
+        prefix = f"layerdrop.harp.{region.layer}"
+        projected = ir.node("MatMul", [region.norm_output, _initializer(graph, f"{prefix}.vo", matrix)])
+        new_nodes = [projected]
+        result = projected.outputs[0]
+        if bias is not None:
+            biased = ir.node("Add", [result, _initializer(graph, f"{prefix}.bias", bias)])
+            new_nodes.append(biased)
+            result = biased.outputs[0]
+        graph.insert_before(o_node, new_nodes)
+        o_out.replace_all_uses_with(result)
+        branch_output = result if region.branch_output is o_out else region.branch_output
+        # alpha scales the whole branch output (after a post-attention norm, if the family has one)
+        if isinstance(alpha, str):
+            scale = ir.Value(name=alpha, shape=ir.Shape([]), type=ir.TensorType(ir.DataType.from_numpy(matrix.dtype)))
+            graph.inputs.append(scale)
+        else:
+            scale = _initializer(graph, f"{prefix}.alpha", np.asarray(alpha, dtype=matrix.dtype))
+        scaled = ir.node("Mul", [branch_output, scale])
+        graph.insert_before(region.add, scaled)
+        branch_index = 1 if region.add.inputs[1] is branch_output else 0
+        region.add.replace_input_with(branch_index, scaled.outputs[0])
+        # Structure alone would call this branch an MLP now; the annotation keeps what it was.
+        region.add.metadata_props[REGION_KEY] = json.dumps({**region.annotation(), "kind": "harp"}, sort_keys=True)

@@ -1,0 +1,60 @@
+"""Perplexity through ONNX Runtime over packed windows (the same packing as scoring)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import onnxruntime as ort
+from tqdm import tqdm
+
+from layerdrop.runtime.feeds import prefill_feed
+
+
+@dataclass(frozen=True)
+class Perplexity:
+    """Mean next-token negative log-likelihood over `tokens` predictions, and its exponential."""
+
+    nll: float
+    tokens: int
+
+    @property
+    def perplexity(self) -> float:
+        return float(np.exp(self.nll))
+
+
+def token_nll(logits: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Negative log-likelihood (float64) of ids[:, 1:] under logits[:, :-1]; shape [batch, seq - 1]."""
+    shifted = logits[:, :-1].astype(np.float64)
+    top = shifted.max(axis=-1, keepdims=True)
+    log_norm = np.log(np.exp(shifted - top).sum(axis=-1)) + top[..., 0]
+    target = np.take_along_axis(shifted, ids[:, 1:, None], axis=-1)[..., 0]
+    return log_norm - target
+
+
+def perplexity(
+    session: ort.InferenceSession,
+    windows: np.ndarray,
+    *,
+    batch_size: int = 1,
+    feed_extra: Callable[[slice], dict[str, np.ndarray]] | None = None,
+    progress: bool = False,
+    desc: str = "eval",
+) -> Perplexity:
+    """Perplexity of a causal-LM session over windows [n, seq] of real tokens.
+
+    Args:
+        feed_extra: rows -> extra inputs for the windows in `rows` (a cached hidden state, an alpha).
+    """
+    total, count = 0.0, 0
+    starts = range(0, len(windows), batch_size)
+    for start in tqdm(starts, desc=desc, unit="batch", disable=not progress, leave=False):
+        ids = windows[start : start + batch_size]
+        extra = feed_extra(slice(start, start + len(ids))) if feed_extra else None
+        feed = prefill_feed(session, ids, extra=extra)
+        logits = session.run(["logits"], feed)[0]
+        nll = token_nll(logits, ids)
+        total += float(nll.sum())
+        count += nll.size
+    return Perplexity(total / count, count)

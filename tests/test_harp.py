@@ -1,0 +1,95 @@
+"""Issue 5: HARP bypass equals an independent PyTorch V·O implementation; greedy alpha search."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from layerdrop import api
+from layerdrop.cli import main
+from layerdrop.model_folder import load
+from layerdrop.runtime.evaluate import perplexity
+from layerdrop.runtime.generate import greedy_generate
+from layerdrop.runtime.session import make_session
+from tests.conftest import ALL_FAMILIES
+from tests.helpers import ort_logits, session
+from tests.torch_reference import VOCAB, greedy, logits, replaced, tiny_model
+
+TOL = 1e-4
+ALPHAS = {3: 0.8, 2: 0.3, 1: 0.0}
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_harp_matches_torch_vo_map(exported, family, tmp_path, rng):
+    out = tmp_path / "harp"
+    api.harp(exported(family, False), out, alphas=ALPHAS)
+    onnx.checker.check_model(str(out / "model.onnx"), full_check=True)
+    ids = rng.randint(0, VOCAB, size=(2, 12))
+    reference = logits(replaced(tiny_model(family), [], ALPHAS), ids)
+    np.testing.assert_allclose(ort_logits(out, ids), reference, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3", "gemma2"])
+def test_harp_kv_graph_prefill_and_ten_decode_steps(exported, family, tmp_path, rng):
+    out = tmp_path / "harp"
+    result = api.harp(exported(family, True), out, alphas=ALPHAS)
+    assert result["kv_layers"] == [0]
+    prompt = rng.randint(0, VOCAB, size=(1, 6))
+    tokens, step_logits = greedy_generate(session(out), prompt, 10)
+    ref_tokens, ref_logits = greedy(replaced(tiny_model(family), [], ALPHAS), prompt, 10)
+    assert tokens == ref_tokens
+    np.testing.assert_allclose(np.stack(step_logits), np.stack(ref_logits), atol=TOL, rtol=0)
+
+
+def test_harp_folds_alpha_and_removes_qk(exported, tmp_path):
+    out = tmp_path / "harp"
+    api.harp(exported("llama", False), out, alphas={3: 0.5})
+    proto = onnx.load(out / "model.onnx", load_external_data=False)
+    assert sum(n.op_type == "Softmax" for n in proto.graph.node) == 3
+    names = {t.name for t in proto.graph.initializer}
+    assert any(n.startswith("layerdrop.harp.3.vo") for n in names)
+    assert "layerdrop.harp.3.alpha" not in names, "alpha is folded into the V·O matrix"
+    assert not any("layers.3.self_attn.q_proj" in n or "layers.3.self_attn.k_proj" in n for n in names)
+    _, model = load(out)
+    entry = json.loads(model.metadata_props["layerdrop.dropped"])[0]
+    assert (entry["how"], entry["layer"], entry["alpha"]) == ("harp", 3, 0.5)
+
+
+def test_gemma2_keeps_alpha_after_the_post_attention_norm(exported, tmp_path):
+    out = tmp_path / "harp"
+    api.harp(exported("gemma2", False), out, alphas={2: 0.5})
+    proto = onnx.load(out / "model.onnx", load_external_data=False)
+    assert "layerdrop.harp.2.alpha" in {t.name for t in proto.graph.initializer}
+
+
+def test_greedy_search_picks_the_best_alpha_and_the_suffix_graph_is_exact(exported, tmp_path):
+    folder = exported("llama", True)
+    out = tmp_path / "searched"
+    result = api.harp(folder, out, top=2, search=True, samples=2, seq_len=32, progress=False)
+    assert set(result["alphas"]) == {3, 2}
+    assert [t["layer"] for t in result["trials"]] == [3] * 11 + [2] * 11
+    for layer in (3, 2):
+        tried = [t for t in result["trials"] if t["layer"] == layer]
+        best = min(tried, key=lambda t: t["perplexity"])
+        assert result["alphas"][layer] == best["alpha"]
+    # The last trial of the chosen alpha, computed on a suffix graph from cached hidden states, equals the
+    # perplexity of the whole rewritten model on the same windows.
+    windows = api.windows_for(out, None, part="calib", samples=2, seq_len=32).ids
+    full = perplexity(make_session(out / "model.onnx"), windows).perplexity
+    chosen = next(t for t in result["trials"] if t["layer"] == 2 and t["alpha"] == result["alphas"][2])
+    assert full == pytest.approx(chosen["perplexity"], rel=1e-5)
+
+
+def test_harp_cli_explicit_and_errors(exported, tmp_path, capsys):
+    src = str(exported("llama", False))
+    assert main(["harp", src, "-o", str(tmp_path / "a"), "--alpha", "3=0.8,2=0.2"]) == 0
+    assert "HARP alphas 3=0.8, 2=0.2" in capsys.readouterr().out
+    for args, message in [(["--alpha", "3=1.5"], "outside [0, 1]"), (["--alpha", "3=x"], "not a number"),
+                          (["--alpha", "7=0.5"], "no attention to bypass"), (["--top", "9"], "out of range"),
+                          (["--search"], "either --alpha"), (["--alpha", "3=0.5,3=0.2"], "twice")]:
+        assert main(["harp", src, "-o", str(tmp_path / "b"), *args]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (args, err)
