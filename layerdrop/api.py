@@ -37,11 +37,12 @@ def model_config(folder: Path) -> dict:
         raise LayerdropError(f"{path} is not valid JSON; fix or remove it") from None
 
 
-def windows_for(folder: Path, text: Path | None, *, part: str, samples: int | None, seq_len: int) -> Windows:
+def windows_for(folder: Path, text: Path | None, *, part: str, samples: int | None, seq_len: int,
+                from_end: bool = False) -> Windows:
     """Packed windows of `text` (default: the bundled `part` text) with the folder's tokenizer."""
     limit = model_config(folder).get("max_position_embeddings")
     return pack_windows(folder, Path(text) if text else bundled_text(part), seq_len=seq_len, samples=samples,
-                        max_positions=limit)
+                        max_positions=limit, from_end=from_end)
 
 
 def score(
@@ -302,6 +303,23 @@ def evaluate(
     return {"perplexity": result.perplexity, "nll": result.nll, "tokens": result.tokens, "text": windows.source}
 
 
+def generate_text(model_path: Path, prompt: str, max_new_tokens: int, *, provider: str = "cpu") -> str:
+    """Greedy continuation of `prompt` (tokenized with the folder's tokenizer), decoded back to text."""
+    from layerdrop.runtime.generate import greedy_generate
+    from layerdrop.runtime.session import make_session
+    from layerdrop.runtime.text import load_tokenizer
+
+    folder = model_folder.resolve(model_path)
+    tokenizer = load_tokenizer(folder.path)
+    ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+    if not ids:
+        raise LayerdropError("--prompt is empty after tokenization; give some text")
+    eos = model_config(folder.path).get("eos_token_id")
+    tokens, _ = greedy_generate(make_session(folder.onnx_path, provider=provider), np.array([ids]), max_new_tokens,
+                                eos_token_id=eos if isinstance(eos, int) else None)
+    return tokenizer.decode(tokens)
+
+
 def kv_bytes_per_token(model: ir.Model) -> int | None:
     """KV-cache bytes one token costs (keys and values of every cached layer, batch 1); None without a cache."""
     total = 0
@@ -381,3 +399,148 @@ def _json_default(value):
     if isinstance(value, Path):
         return str(value)
     raise TypeError(type(value).__name__)
+
+
+def parse_budget(text: str, attention_layers: int) -> tuple[str, float, int | None]:
+    """'attn=8' | 'kv=0.75' | 'speedup=1.2' or 'speedup=1.2@1024' -> (kind, value, seq for speedup).
+
+    Raises:
+        LayerdropError: an unknown or out-of-range budget.
+    """
+    kind, sep, value = text.partition("=")
+    if not sep or kind not in ("attn", "kv", "speedup"):
+        raise LayerdropError(f"bad --budget {text!r}: use attn=N, kv=FRACTION or speedup=X[@TOKENS]")
+    value, _, seq = value.partition("@")
+    try:
+        number = float(value)
+        seq_len = int(seq) if seq else None
+    except ValueError:
+        raise LayerdropError(f"bad --budget {text!r}: {value!r} is not a number") from None
+    if kind == "attn" and not (number.is_integer() and 1 <= number <= attention_layers):
+        raise LayerdropError(f"--budget attn={value} must be a whole number from 1 to {attention_layers}")
+    if kind == "kv" and not 0 <= number < 1:
+        raise LayerdropError(f"--budget kv={value} must be a fraction in [0, 1) of the KV cache to keep")
+    if kind == "speedup" and not number > 1:
+        raise LayerdropError(f"--budget speedup={value} must be above 1")
+    return kind, number, seq_len
+
+
+def attention_count_for(kind: str, value: float, seq: int | None, folder: Path, scores: dict[int, float],
+                        threads: int | None) -> int:
+    """How many attention layers a budget asks to remove or bypass."""
+    import math
+
+    layers = len(scores)
+    if kind == "attn":
+        return int(value)
+    if kind == "kv":
+        return max(1, math.ceil(layers * (1 - value) - 1e-9))
+    # speedup: remove the lowest-scored attention layers until the profile-based ideal speedup reaches the target
+    from layerdrop.runtime.bench import node_times
+
+    times = node_times(folder, seq or 1024, runs=2, threads=threads)
+    _, model = model_folder.load(folder)
+    branch_time = {r.layer: sum(times.get(n.name, 0.0) for n in r.branch)
+                   for r in annotated_regions(model) if r.kind == "attn"}
+    total = sum(times.values())
+    saved = 0.0
+    for count, layer in enumerate(sorted(scores, key=scores.get), start=1):
+        saved += branch_time.get(layer, 0.0)
+        if total / max(total - saved, 1e-9) >= value:
+            return count
+    raise LayerdropError(f"--budget speedup={value} is out of reach by removing attention alone "
+                         f"(all {layers} layers give {total / max(total - saved, 1e-9):.2f}x)")
+
+
+def plan(
+    model_path: Path,
+    out_dir: Path,
+    *,
+    budget: str,
+    calib: Path | None = None,
+    eval_text: Path | None = None,
+    samples: int = DEFAULT_SAMPLES,
+    search_samples: int = 8,
+    eval_samples: int = 32,
+    seq_len: int = DEFAULT_SEQ_LEN,
+    extra: int = 4,
+    provider: str = "cpu",
+    threads: int | None = None,
+    force: bool = False,
+    progress: bool = True,
+) -> dict:
+    """Plan the best set of attention drops/bypasses for a budget and write the chosen model (see planner).
+
+    The search text is the end of `calib` (disjoint from the scoring windows at its start); the comparison table
+    is measured on `eval_text`, which the search never sees.
+
+    Returns:
+        {"budget", "attention_layers", "pick": {...}, "methods": [{"method", "alphas", "search_ppl", "eval_ppl"}],
+         "baseline": {...}, "search_seconds"}
+    """
+    import time
+
+    from layerdrop.runtime.evaluate import perplexity
+    from layerdrop.runtime.planner import bypass_search, plan_attention
+    from layerdrop.runtime.session import make_session
+
+    folder, model = model_folder.load(model_path)
+    model_folder.reserve_output(Path(out_dir), inputs=[folder.path], force=force)
+    regions = annotated_regions(model)
+    attention = sorted(r.layer for r in regions if r.kind == "attn")
+    if not attention:
+        raise LayerdropError("this graph has no attention regions; nothing to plan")
+    kind, value, seq = parse_budget(budget, len(attention))
+    started = time.perf_counter()
+    rows = read_scores(model)
+    if not rows:
+        rows = score(folder.path, None, calib=calib, samples=samples, seq_len=seq_len, provider=provider,
+                     threads=threads, progress=progress)["regions"]
+    scores = {r["layer"]: r["score"] for r in rows if r["kind"] == "attn"}
+    count = attention_count_for(kind, value, seq, folder.path, scores, threads)
+    session_args = {"provider": provider, "threads": threads}
+    search = windows_for(folder.path, calib, part="calib", samples=search_samples, seq_len=seq_len, from_end=True)
+    held_out = windows_for(folder.path, eval_text, part="eval", samples=eval_samples, seq_len=seq_len)
+
+    def measure(alphas: dict[int, float]) -> tuple[float, float]:
+        candidate = model_folder.copy_model(model)
+        run_passes(candidate, rewrite_passes([], alphas, "plan"))
+        session = make_session(candidate, folder=folder.path, **session_args)
+        return (perplexity(session, search.ids).perplexity, perplexity(session, held_out.ids).perplexity)
+
+    lowest = sorted(scores, key=lambda layer: (scores[layer], layer))[:count]
+    top = attention[::-1][:count]
+    methods: dict[str, dict[int, float]] = {
+        "paper 1: one-shot drop of the lowest scores": dict.fromkeys(lowest, 0.0)}
+    scratch = model_folder.copy_model(model)
+    calib_windows = windows_for(folder.path, calib, part="calib", samples=min(samples, 16), seq_len=seq_len)
+    _drop_iteratively(scratch, folder.path, calib_windows, ("attn",), count, provider, threads, progress)
+    methods["paper 1: iterative drop"] = {e["layer"]: 0.0 for e in removed_modules(scratch)}
+    methods["HARP: top layers, searched alphas"] = bypass_search(model, folder.path, search.ids, top,
+                                                                  progress=progress, **session_args)
+    methods["score-selected bypass, searched alphas"] = bypass_search(model, folder.path, search.ids, lowest,
+                                                                       progress=progress, **session_args)
+    planned = plan_attention(model, folder.path, search.ids, scores, count, extra=extra, progress=progress,
+                             **session_args)
+    methods["planner"] = planned.alphas
+    table = []
+    for name, alphas in methods.items():
+        search_ppl, eval_ppl = measure(alphas)
+        table.append({"method": name, "alphas": {int(k): v for k, v in sorted(alphas.items())},
+                      "search_ppl": search_ppl, "eval_ppl": eval_ppl})
+    pick = min(table, key=lambda row: row["search_ppl"])
+    seconds = time.perf_counter() - started
+    empty = model_folder.copy_model(model)
+    baseline = make_session(empty, folder=folder.path, **session_args)
+    base = {"search_ppl": perplexity(baseline, search.ids).perplexity,
+            "eval_ppl": perplexity(baseline, held_out.ids).perplexity}
+    kept = (len(attention) - count) / len(attention)
+    result = {"budget": budget, "attention_layers": count, "kv_fraction_kept": kept,
+              "baseline": base, "methods": table, "pick": pick, "search_seconds": seconds,
+              "search_text": search.source, "eval_text": held_out.source, "planner_log": planned.log}
+    model.metadata_props["layerdrop.plan"] = json.dumps({k: v for k, v in result.items() if k != "planner_log"},
+                                                        sort_keys=True, default=_json_default)
+    run_passes(model, rewrite_passes([], pick["alphas"], "plan"))
+    model_folder.save(model, out_dir, source=folder, force=force)
+    return result
+

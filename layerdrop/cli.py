@@ -9,7 +9,7 @@ import traceback
 from pathlib import Path
 
 from layerdrop.errors import LayerdropError
-from layerdrop.options import parse_alphas, parse_count, parse_modules
+from layerdrop.options import parse_alphas, parse_bytes, parse_count, parse_modules
 
 
 class _Parser(argparse.ArgumentParser):
@@ -88,7 +88,74 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=parse_count, default=256)
     p.add_argument("--json", type=Path, help="write the alphas and every perplexity tried as JSON")
     _common(p)
+
+    p = sub.add_parser("eval", help="perplexity (and greedy generations) of one model or two side by side")
+    p.add_argument("model", type=Path)
+    p.add_argument("--vs", type=Path, help="a second model evaluated on the same windows")
+    p.add_argument("--text", type=Path, default=None, help="UTF-8 evaluation text (default: the bundled text)")
+    p.add_argument("--samples", type=parse_count, default=32)
+    p.add_argument("--seq-len", type=parse_count, default=256)
+    p.add_argument("--batch", type=parse_count, default=1)
+    p.add_argument("--prompt", help="also show greedy generations for this prompt (uses the KV cache)")
+    p.add_argument("--max-new-tokens", type=parse_count, default=32)
+    p.add_argument("--json", type=Path)
+    _common(p)
+
+    p = sub.add_parser("bench", help="prefill/decode speed, memory and size of two models side by side")
+    p.add_argument("base", type=Path)
+    p.add_argument("pruned", type=Path)
+    p.add_argument("--seq", type=_seq_list, default=None, help="prefill lengths (default CPU 256,1024; CUDA "
+                   "512,1024,2048,4096)")
+    p.add_argument("--batch", type=parse_count, default=1)
+    p.add_argument("--runs", type=parse_count, default=5)
+    p.add_argument("--decode", type=parse_count, default=32, help="tokens for the decode measurement")
+    p.add_argument("--json", type=Path)
+    p.add_argument("--plot", type=Path)
+    _common(p)
+
+    p = sub.add_parser("check", help="CI gate: exit 0 within budget, 1 over budget, 2 on bad input")
+    p.add_argument("model", type=Path)
+    p.add_argument("--max-bytes", type=parse_bytes, help="model file bytes, e.g. 500MB or 1.5GiB")
+    p.add_argument("--max-kv-bytes-per-token", type=parse_bytes)
+    p.add_argument("--max-attention-layers", type=int)
+    p.add_argument("--json", type=Path)
+    p.add_argument("--debug", action="store_true")
+
+    p = sub.add_parser("pipeline", help="export -> score -> drop -> eval -> bench on one model (default SmolLM2)")
+    p.add_argument("model", nargs="?", type=Path, help="HF folder, .gguf or ONNX folder (default: SmolLM2-135M)")
+    p.add_argument("-o", "--output", type=Path, default=Path("out/pipeline"))
+    p.add_argument("--calib", type=Path)
+    p.add_argument("--eval", type=Path)
+    p.add_argument("--attn", type=parse_count, help="drop the N lowest-scored attention layers (default L/4)")
+    p.add_argument("--joint", type=parse_count, help="drop the N lowest of attention and MLP together")
+    p.add_argument("--harp", type=parse_count, metavar="K", help="HARP on the top K layers with searched alphas")
+    p.add_argument("--samples", type=parse_count, default=64, help="calibration windows")
+    p.add_argument("--seq-len", type=parse_count, default=256)
+    p.add_argument("--eval-samples", type=parse_count, default=32)
+    p.add_argument("--seq", type=_seq_list, default=(256, 1024), help="bench prefill lengths")
+    p.add_argument("--runs", type=parse_count, default=5)
+    p.add_argument("--resume", action="store_true", help="skip stages whose output matches their inputs")
+    p.add_argument("--force", action="store_true", help="redo every stage in a non-empty OUTDIR")
+    _common(p)
+
+    p = sub.add_parser("plan", help="for a budget, choose which attention layers go and how (drop or bypass)")
+    p.add_argument("model", type=Path)
+    _output(p)
+    p.add_argument("--budget", required=True, help="attn=N | kv=FRACTION_KEPT | speedup=X[@TOKENS]")
+    p.add_argument("--calib", type=Path, help="text for scores and the search (default: bundled calibration text)")
+    p.add_argument("--eval", type=Path, help="held-out text for the comparison table (default: bundled eval text)")
+    p.add_argument("--samples", type=parse_count, default=64, help="scoring windows (if the model is unscored)")
+    p.add_argument("--search-samples", type=parse_count, default=8, help="windows of search text per evaluation")
+    p.add_argument("--eval-samples", type=parse_count, default=32)
+    p.add_argument("--seq-len", type=parse_count, default=256)
+    p.add_argument("--extra", type=int, default=4, help="candidates beyond the budget in the search pool")
+    p.add_argument("--json", type=Path)
+    _common(p)
     return parser
+
+
+def _seq_list(text: str) -> tuple[int, ...]:
+    return tuple(parse_count(part) for part in text.split(","))
 
 
 def _progress(args) -> bool:
@@ -198,7 +265,112 @@ def cmd_harp(args) -> int:
     return 0
 
 
-COMMANDS = {"export": cmd_export, "score": cmd_score, "inspect": cmd_inspect, "drop": cmd_drop, "harp": cmd_harp}
+def cmd_eval(args) -> int:
+    from layerdrop import api
+
+    folders = [args.model] + ([args.vs] if args.vs else [])
+    results = [api.evaluate(f, text=args.text, samples=args.samples, seq_len=args.seq_len, batch_size=args.batch,
+                            provider=args.provider, threads=args.threads, progress=_progress(args)) for f in folders]
+    for folder, result in zip(folders, results):
+        print(f"{str(folder):<40} perplexity {result['perplexity']:9.3f}   ({result['tokens']} predicted tokens of "
+              f"{result['text']['file']})")
+    if len(results) == 2:
+        print(f"ratio {results[1]['perplexity'] / results[0]['perplexity']:.3f}")
+    report = {"models": [{"path": str(f), **r} for f, r in zip(folders, results)]}
+    if args.prompt:
+        report["generations"] = []
+        for folder in folders:
+            text = api.generate_text(folder, args.prompt, args.max_new_tokens, provider=args.provider)
+            report["generations"].append({"path": str(folder), "text": text})
+            print(f"--- {folder}\n{args.prompt}{text}")
+    if args.json:
+        api.write_json(report, args.json)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from layerdrop import api
+    from layerdrop.runtime.bench import compare, plot_prefill
+
+    for folder in (args.base, args.pruned):
+        api.inspect(folder)  # validates both folders first, with clear errors
+    seqs = args.seq or ((512, 1024, 2048, 4096) if args.provider == "cuda" else (256, 1024))
+    result = compare(args.base, args.pruned, seqs=seqs, batch=args.batch, runs=args.runs, decode_tokens=args.decode,
+                     provider=args.provider, threads=args.threads)
+    from layerdrop.pipeline import side_by_side
+
+    print(side_by_side(result, "pruned"))
+    if args.json:
+        api.write_json(result, args.json)
+    if args.plot:
+        plot_prefill(result, args.plot)
+    return 0
+
+
+def cmd_check(args) -> int:
+    from layerdrop import api
+    from layerdrop.errors import OverBudget
+    from layerdrop.runtime.bench import model_bytes
+
+    info = api.inspect(args.model)
+    folder = api.model_folder.resolve(args.model).path
+    measured = {"bytes": model_bytes(folder), "kv_bytes_per_token": info["kv_bytes_per_token"] or 0,
+                "attention_layers": sum(r["kind"] == "attn" for r in info["regions"])}
+    limits = {"bytes": args.max_bytes, "kv_bytes_per_token": args.max_kv_bytes_per_token,
+              "attention_layers": args.max_attention_layers}
+    if all(v is None for v in limits.values()):
+        raise LayerdropError("give at least one budget: --max-bytes, --max-kv-bytes-per-token, --max-attention-layers")
+    over = [f"{k} {measured[k]:,} > {v:,}" for k, v in limits.items() if v is not None and measured[k] > v]
+    if args.json:
+        api.write_json({"measured": measured, "limits": limits, "within_budget": not over}, args.json)
+    if over:
+        raise OverBudget("over budget: " + "; ".join(over))
+    print("within budget: " + ", ".join(f"{k} {measured[k]:,}" for k, v in limits.items() if v is not None))
+    return 0
+
+
+def cmd_pipeline(args) -> int:
+    from layerdrop.pipeline import run_pipeline, side_by_side
+
+    report = run_pipeline(args.model, args.output, calib=args.calib, eval_text=args.eval, attn=args.attn,
+                          joint=args.joint, harp_top=args.harp, samples=args.samples, seq_len=args.seq_len,
+                          eval_samples=args.eval_samples, bench_seq=args.seq, bench_runs=args.runs,
+                          provider=args.provider, threads=args.threads, resume=args.resume, force=args.force,
+                          progress=_progress(args))
+    print(side_by_side(report["bench"], report["method"], report["quality"]))
+    print(f"all stages and report.json are in {args.output}")
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from layerdrop import api
+
+    result = api.plan(args.model, args.output, budget=args.budget, calib=args.calib, eval_text=args.eval,
+                      samples=args.samples, search_samples=args.search_samples, eval_samples=args.eval_samples,
+                      seq_len=args.seq_len, extra=args.extra, provider=args.provider, threads=args.threads,
+                      force=args.force, progress=_progress(args))
+    print(plan_table(result))
+    print(f"pick: {result['pick']['method']}; search took {result['search_seconds']:.0f} s; written to {args.output}")
+    if args.json:
+        api.write_json(result, args.json)
+    return 0
+
+
+def plan_table(result: dict) -> str:
+    """The planner's comparison (markdown): every method at the same budget, search and held-out perplexity."""
+    count = result["attention_layers"]
+    lines = [f"| method ({count} attention layers, KV kept {result['kv_fraction_kept']:.3f}) | layers: alpha "
+             "(0 = drop) | search ppl | held-out ppl |", "|---|---|---|---|",
+             f"| baseline | - | {result['baseline']['search_ppl']:.2f} | {result['baseline']['eval_ppl']:.2f} |"]
+    for row in result["methods"]:
+        alphas = " ".join(f"{k}:{v:g}" for k, v in sorted(row["alphas"].items(), key=lambda kv: -int(kv[0])))
+        name = f"**{row['method']}**" if row == result["pick"] else row["method"]
+        lines.append(f"| {name} | {alphas} | {row['search_ppl']:.2f} | {row['eval_ppl']:.2f} |")
+    return "\n".join(lines)
+
+
+COMMANDS = {"export": cmd_export, "score": cmd_score, "inspect": cmd_inspect, "drop": cmd_drop, "harp": cmd_harp,
+            "eval": cmd_eval, "bench": cmd_bench, "check": cmd_check, "pipeline": cmd_pipeline, "plan": cmd_plan}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,6 +392,12 @@ def main(argv: list[str] | None = None) -> int:
     except MemoryError:
         print("layerdrop: error: out of memory; use fewer --samples, a shorter --seq-len or --batch 1",
               file=sys.stderr)
+        return 1
+    except Exception as exc:  # noqa: BLE001 - the last line of defence: one line, never a traceback
+        if debug:
+            traceback.print_exc()
+        reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        print(f"layerdrop: error: {type(exc).__name__}: {reason} (rerun with --debug for details)", file=sys.stderr)
         return 1
 
 

@@ -4,6 +4,7 @@ find regions, score, drop, each checked against PyTorch. Takes a few minutes on 
 from __future__ import annotations
 
 import hashlib
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -24,9 +25,9 @@ from tests.helpers import ort_logits, session
 from tests.torch_reference import greedy, hook_scores, logits, replaced
 
 pytestmark = pytest.mark.slow
-# SmolLM2's logits reach about 20 in magnitude; float32 accumulation over 30 layers differs from PyTorch's by
-# about 1e-4 in a few of 3 million entries, so the real model is compared with atol 1e-4 plus rtol 1e-5.
-ATOL, RTOL = 1e-4, 1e-5
+# SmolLM2's logits reach about 20; PyTorch's own float32 paths differ from each other by about 1e-4 there, so
+# the reference is the same model run in float64 (SPEC §5 tolerance: max abs logit difference 1e-4).
+ATOL = 1e-4
 
 
 def _export_key() -> str:
@@ -46,13 +47,15 @@ def smollm2_kv(smollm2_hf) -> Path:
     """The KV-cache export of the default model, cached per export-code version between test runs."""
     out = cache_dir() / "test-exports" / f"smollm2-kv-{_export_key()}"
     if not (out / "model.onnx").is_file():
+        for stale in out.parent.glob("smollm2-kv-*"):  # exports made by older export code
+            shutil.rmtree(stale, ignore_errors=True)
         export_folder(None, out, kv_cache=True, force=True)
     return out
 
 
 @pytest.fixture(scope="session")
 def torch_model(smollm2_hf):
-    return transformers.AutoModelForCausalLM.from_pretrained(smollm2_hf, dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(smollm2_hf, dtype=torch.float64).eval()
 
 
 @pytest.fixture(scope="session")
@@ -68,7 +71,7 @@ def test_default_model_is_smollm2_with_grouped_query_attention(torch_model):
 
 def test_exported_default_model_matches_torch(smollm2_kv, torch_model, real_windows):
     got = ort_logits(smollm2_kv, real_windows[:1])
-    np.testing.assert_allclose(got, logits(torch_model, real_windows[:1]), atol=ATOL, rtol=RTOL)
+    np.testing.assert_allclose(got, logits(torch_model, real_windows[:1]), atol=ATOL, rtol=0)
 
 
 def test_greedy_generation_with_cache_equals_torch(smollm2_kv, torch_model, real_windows):
@@ -100,7 +103,7 @@ def test_default_model_harp_matches_torch_vo_map(smollm2_kv, torch_model, real_w
     alphas = {29: 0.4, 28: 0.3, 27: 0.0}
     api.harp(smollm2_kv, tmp_path / "harp", alphas=alphas)
     got = ort_logits(tmp_path / "harp", real_windows[:1])
-    np.testing.assert_allclose(got, logits(replaced(torch_model, [], alphas), real_windows[:1]), atol=ATOL, rtol=RTOL)
+    np.testing.assert_allclose(got, logits(replaced(torch_model, [], alphas), real_windows[:1]), atol=ATOL, rtol=0)
 
 
 def test_default_model_drop_matches_torch_identity(smollm2_kv, torch_model, real_windows, tmp_path):
@@ -110,4 +113,4 @@ def test_default_model_drop_matches_torch_identity(smollm2_kv, torch_model, real
     assert api.inspect(tmp_path / "dropped")["kv_bytes_per_token"] * 30 == 27 * api.inspect(smollm2_kv)[
         "kv_bytes_per_token"]
     got = ort_logits(tmp_path / "dropped", real_windows[:1])
-    np.testing.assert_allclose(got, logits(replaced(torch_model, targets), real_windows[:1]), atol=ATOL, rtol=RTOL)
+    np.testing.assert_allclose(got, logits(replaced(torch_model, targets), real_windows[:1]), atol=ATOL, rtol=0)

@@ -119,7 +119,7 @@ class _Scaled(torch.nn.Module):
 def logits(model: torch.nn.Module, ids: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
     with torch.no_grad():
         kwargs = {} if mask is None else {"attention_mask": torch.tensor(mask)}
-        return model(torch.tensor(ids), use_cache=False, **kwargs).logits.numpy()
+        return model(torch.tensor(ids), use_cache=False, **kwargs).logits.double().numpy()
 
 
 def greedy(model: torch.nn.Module, ids: np.ndarray, steps: int) -> tuple[list[int], list[np.ndarray]]:

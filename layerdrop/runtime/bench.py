@@ -17,30 +17,52 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 
 from layerdrop.runtime.feeds import is_kv_graph, prefill_feed
 from layerdrop.runtime.generate import greedy_generate
 from layerdrop.runtime.session import make_session
 
 
-def _ids(seq: int, batch: int, vocab: int = 1000, seed: int = 0) -> np.ndarray:
+def _ids(seq: int, batch: int, session: ort.InferenceSession | None = None, seed: int = 0) -> np.ndarray:
+    """Random token ids below the model's vocabulary size (read from the logits shape when static)."""
+    vocab = 1000
+    if session is not None:
+        width = next((o.shape[-1] for o in session.get_outputs() if o.name == "logits"), None)
+        vocab = width if isinstance(width, int) else vocab
     return np.random.RandomState(seed).randint(0, vocab, size=(batch, seq)).astype(np.int64)
+
+
+def _runner(session: ort.InferenceSession, feed: dict[str, np.ndarray]):
+    """A no-argument callable that runs one prefill; on CUDA inputs and outputs stay on the device (I/O binding)."""
+    if session.get_providers()[0] != "CUDAExecutionProvider":
+        return lambda: session.run(["logits"], feed)
+    binding = session.io_binding()
+    for name, array in feed.items():
+        binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array, "cuda", 0))
+    for output in session.get_outputs():
+        binding.bind_output(output.name, "cuda")
+
+    def run() -> None:
+        session.run_with_iobinding(binding)
+        binding.synchronize_outputs()
+
+    return run
 
 
 def prefill_latency(folders: list[Path], seq: int, *, batch: int = 1, runs: int = 5, warmup: int = 1,
                     provider: str = "cpu", threads: int | None = None) -> list[dict]:
     """Median and p90 prefill latency (ms) of each model at `seq` tokens, runs interleaved across models."""
     sessions = [make_session(Path(f) / "model.onnx", provider=provider, threads=threads) for f in folders]
-    feeds = [prefill_feed(s, _ids(seq, batch)) for s in sessions]
-    outputs = [["logits"] for _ in sessions]
+    runners = [_runner(s, prefill_feed(s, _ids(seq, batch, s))) for s in sessions]
     for _ in range(warmup):
-        for session, feed, names in zip(sessions, feeds, outputs):
-            session.run(names, feed)
+        for run in runners:
+            run()
     times: list[list[float]] = [[] for _ in sessions]
     for _ in range(runs):
-        for i, (session, feed, names) in enumerate(zip(sessions, feeds, outputs)):
+        for i, run in enumerate(runners):
             start = time.perf_counter()
-            session.run(names, feed)
+            run()
             times[i].append((time.perf_counter() - start) * 1000)
     return [{"median_ms": statistics.median(t), "p90_ms": float(np.percentile(t, 90)), "runs": t} for t in times]
 
@@ -51,7 +73,7 @@ def decode_tokens_per_second(folder: Path, *, prompt_len: int = 64, new_tokens: 
     session = make_session(Path(folder) / "model.onnx", provider=provider, threads=threads)
     if not is_kv_graph(session):
         return None
-    prompt = _ids(prompt_len, 1)
+    prompt = _ids(prompt_len, 1, session)
     greedy_generate(session, prompt, 2)  # warm-up
     start = time.perf_counter()
     greedy_generate(session, prompt, 1)
@@ -68,7 +90,7 @@ def node_times(folder: Path, seq: int, *, runs: int = 3, provider: str = "cpu", 
     with tempfile.TemporaryDirectory() as tmp:
         session = make_session(Path(folder) / "model.onnx", provider=provider, threads=threads,
                                profile_prefix=os.path.join(tmp, "profile"))
-        feed = prefill_feed(session, _ids(seq, 1))
+        feed = prefill_feed(session, _ids(seq, 1, session))
         session.run(["logits"], feed)
         for _ in range(runs):
             session.run(["logits"], feed)
@@ -102,3 +124,97 @@ def model_bytes(folder: Path) -> int:
 def peak_rss_bytes() -> int:
     """Peak resident memory of this process so far (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _measure_peak(folder: str, seq: int, provider: str, threads: int | None) -> int | None:
+    """Run one prefill in this (fresh) process and report its peak memory: RSS on CPU, device memory on CUDA."""
+    from layerdrop.runtime.session import active_provider
+
+    session = make_session(Path(folder) / "model.onnx", provider=provider, threads=threads)
+    session.run(["logits"], prefill_feed(session, _ids(seq, 1, session)))
+    if active_provider(session) == "cuda":
+        return _cuda_memory_of_this_process()
+    return peak_rss_bytes()
+
+
+def _cuda_memory_of_this_process() -> int | None:
+    import subprocess
+
+    try:
+        query = ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
+        listing = subprocess.run(query, capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in listing.splitlines():
+        pid, _, used = line.partition(",")
+        if pid.strip() == str(os.getpid()):
+            return int(used.strip()) * 1024 * 1024
+    return None
+
+
+def peak_memory(folder: Path, seq: int, *, provider: str = "cpu", threads: int | None = None) -> int | None:
+    """Peak memory of one prefill of `folder` at `seq` tokens, measured in a fresh child process."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_measure_peak, (str(folder), seq, provider, threads))
+
+
+def compare(base: Path, pruned: Path, *, seqs: tuple[int, ...] = (256, 1024), batch: int = 1, runs: int = 5,
+            decode_tokens: int = 32, provider: str = "cpu", threads: int | None = None) -> dict:
+    """Measure two model folders side by side (see module docstring); every ratio comes from these runs."""
+    import platform
+
+    from layerdrop import api
+    from layerdrop.runtime.session import active_provider
+
+    probe = make_session(Path(base) / "model.onnx", provider=provider, threads=threads)
+    used = active_provider(probe)
+    del probe
+    prefill = []
+    for seq in seqs:
+        base_t, pruned_t = prefill_latency([base, pruned], seq, batch=batch, runs=runs, provider=used,
+                                           threads=threads)
+        ideal = ideal_speedup(base, pruned, seq, provider=used, threads=threads)
+        prefill.append({"seq": seq, "batch": batch, "base": base_t, "pruned": pruned_t,
+                        "speedup": base_t["median_ms"] / pruned_t["median_ms"], **ideal})
+    kv = [api.inspect(folder)["kv_bytes_per_token"] for folder in (base, pruned)]
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, {threads or 'default'} threads, {used}"
+    return {
+        "machine": machine,
+        "provider": used,
+        "prefill": prefill,
+        "decode_tokens_per_s": {
+            name: decode_tokens_per_second(folder, new_tokens=decode_tokens, provider=used, threads=threads)
+            for name, folder in (("base", base), ("pruned", pruned))},
+        "kv_bytes_per_token": {"base": kv[0], "pruned": kv[1]},
+        "model_bytes": {"base": model_bytes(base), "pruned": model_bytes(pruned)},
+        "peak_memory_bytes": {name: peak_memory(folder, max(seqs), provider=used, threads=threads)
+                              for name, folder in (("base", base), ("pruned", pruned))},
+    }
+
+
+def plot_prefill(result: dict, path: Path) -> None:
+    """Bar chart of median prefill latency per sequence length, base vs pruned (PNG, written atomically)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seqs = [entry["seq"] for entry in result["prefill"]]
+    xs = np.arange(len(seqs))
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    ax.bar(xs - 0.2, [e["base"]["median_ms"] for e in result["prefill"]], 0.4, label="base")
+    ax.bar(xs + 0.2, [e["pruned"]["median_ms"] for e in result["prefill"]], 0.4, label="pruned")
+    for x, entry in zip(xs, result["prefill"]):
+        ax.annotate(f"{entry['speedup']:.2f}x", (x + 0.2, entry["pruned"]["median_ms"]), ha="center", va="bottom")
+    ax.set_xticks(xs, [str(s) for s in seqs])
+    ax.set_xlabel("prefill tokens")
+    ax.set_ylabel("median latency (ms)")
+    ax.set_title(f"layerdrop bench ({result['machine']})", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    partial = Path(path).with_name(f".{Path(path).name}.partial")
+    fig.savefig(partial, format="png")
+    plt.close(fig)
+    partial.replace(path)

@@ -66,13 +66,20 @@ class Windows:
 
 
 def pack_windows(
-    folder: Path, text_path: Path, *, seq_len: int, samples: int | None, max_positions: int | None = None
+    folder: Path,
+    text_path: Path,
+    *,
+    seq_len: int,
+    samples: int | None,
+    max_positions: int | None = None,
+    from_end: bool = False,
 ) -> Windows:
     """Tokenize a text without special tokens, concatenate, and cut consecutive windows of `seq_len` tokens.
 
     Args:
         samples: how many windows to use (None: all complete windows).
         max_positions: the model's context length, if known.
+        from_end: take the last windows instead of the first (a search set disjoint from the scoring set).
 
     Raises:
         LayerdropError: a bad text file, a bad size, or a text too short for the request (the message says how
@@ -93,11 +100,13 @@ def pack_windows(
             f"{text_path} holds {len(tokens)} tokens = {available} windows of {seq_len}; "
             f"asked for {wanted}: use a longer text, fewer --samples or a shorter --seq-len"
         )
-    ids = np.asarray(tokens[: wanted * seq_len], dtype=np.int64).reshape(wanted, seq_len)
+    first = available - wanted if from_end else 0
+    ids = np.asarray(tokens[first * seq_len : (first + wanted) * seq_len], dtype=np.int64).reshape(wanted, seq_len)
     source = {
         "file": Path(text_path).name,
         "sha256": hashlib.sha256(Path(text_path).read_bytes()).hexdigest(),
         "samples": wanted,
         "seq_len": seq_len,
+        **({"from_end": True} if from_end else {}),
     }
     return Windows(ids, source)

@@ -1,0 +1,154 @@
+"""`layerdrop pipeline`: export -> score -> drop or HARP -> eval -> bench, every stage's output kept in OUTDIR.
+
+Each stage writes a stamp (`layerdrop-stage.json`) with a fingerprint of its inputs and options; with `resume`
+a stage whose output exists and whose stamp matches is skipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+from layerdrop import api
+from layerdrop.errors import LayerdropError
+
+STAMP = "layerdrop-stage.json"
+
+
+def _fingerprint(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _file_digest(path: Path | None) -> str | None:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16] if path else None
+
+
+def _stamp_of(folder: Path) -> str | None:
+    try:
+        return json.loads((folder / STAMP).read_text())["fingerprint"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _stage(name: str, folder: Path, fingerprint: str, resume: bool, run) -> bool:
+    """Run one stage unless resuming and its output matches; return True when it ran."""
+    if resume and (folder / "model.onnx").is_file() and _stamp_of(folder) == fingerprint:
+        print(f"[{name}] up to date, skipped ({folder})", file=sys.stderr)
+        return False
+    print(f"[{name}] ...", file=sys.stderr)
+    start = time.perf_counter()
+    run()
+    (folder / STAMP).write_text(json.dumps({"stage": name, "fingerprint": fingerprint}) + "\n")
+    print(f"[{name}] done in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return True
+
+
+def run_pipeline(
+    model: Path | None,
+    out_dir: Path,
+    *,
+    calib: Path | None = None,
+    eval_text: Path | None = None,
+    attn: int | None = None,
+    joint: int | None = None,
+    harp_top: int | None = None,
+    samples: int = api.DEFAULT_SAMPLES,
+    seq_len: int = api.DEFAULT_SEQ_LEN,
+    eval_samples: int = 32,
+    bench_seq: tuple[int, ...] = (256, 1024),
+    bench_runs: int = 5,
+    provider: str = "cpu",
+    threads: int | None = None,
+    resume: bool = False,
+    force: bool = False,
+    progress: bool = True,
+) -> dict:
+    """Run the whole pipeline; returns the side-by-side report (also written to OUTDIR/report.json and .md).
+
+    With no selection, drops about a quarter of the attention layers by score.
+
+    Raises:
+        LayerdropError: conflicting selections, or an OUTDIR that holds other files without --force/--resume.
+    """
+    if sum(x is not None for x in (attn, joint, harp_top)) > 1:
+        raise LayerdropError("choose one of --attn, --joint, --harp")
+    out_dir = Path(out_dir)
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (resume or force):
+        raise LayerdropError(f"{out_dir} is not empty; pass --resume to reuse its stages or --force to redo them")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    exported, scored, pruned = out_dir / "export", out_dir / "scored", out_dir / "pruned"
+    redo = not resume
+
+    source = Path(model) if model else None
+    key = _fingerprint("export", str(source.resolve()) if source else "default")
+    if source is not None and source.is_dir() and (source / "model.onnx").is_file():
+        exported = source  # already an ONNX folder: start from it
+    else:
+        def export() -> None:
+            from layerdrop.export.onnx_export import export_folder
+            export_folder(source, exported, kv_cache=True, force=True)
+        redo |= _stage("export", exported, key, resume, export)
+
+    key = _fingerprint("score", _stamp_of(exported) or str(exported), _file_digest(calib), samples, seq_len)
+    redo |= _stage("score", scored, key, resume and not redo, lambda: api.score(
+        exported, scored, calib=calib, samples=samples, seq_len=seq_len, provider=provider, threads=threads,
+        force=True, progress=progress))
+
+    layers = int(api.inspect(scored)["regions"][-1]["layer"]) + 1
+    if harp_top is not None:
+        method = f"harp-{harp_top}"
+        key = _fingerprint("harp", _stamp_of(scored), harp_top, _file_digest(calib))
+        _stage(method, pruned, key, resume and not redo, lambda: api.harp(
+            scored, pruned, top=harp_top, search=True, eval_text=calib, provider=provider, threads=threads,
+            force=True, progress=progress))
+    else:
+        counts = {"joint": joint} if joint is not None else {"attn": attn if attn is not None else max(1, layers // 4)}
+        method = "-".join(f"{k}-{v}" for k, v in counts.items())
+        key = _fingerprint("drop", _stamp_of(scored), counts)
+        _stage(method, pruned, key, resume and not redo, lambda: api.drop(scored, pruned, counts=counts, force=True))
+
+    print("[eval] ...", file=sys.stderr)
+    quality = [api.evaluate(folder, text=eval_text, samples=eval_samples, seq_len=seq_len, provider=provider,
+                            threads=threads, progress=progress) for folder in (exported, pruned)]
+    print("[bench] ...", file=sys.stderr)
+    from layerdrop.runtime.bench import compare
+
+    speed = compare(exported, pruned, seqs=bench_seq, runs=bench_runs, provider=provider, threads=threads)
+    report = {"method": method, "base": str(exported), "pruned": str(pruned), "quality": quality, "bench": speed}
+    api.write_json(report, out_dir / "report.json")
+    table = side_by_side(speed, method, quality)
+    (out_dir / "report.md").write_text(table + "\n", encoding="utf-8")
+    return report
+
+
+def side_by_side(bench: dict, method: str, quality: list[dict] | None = None) -> str:
+    """The closing table (markdown) of `pipeline` and `bench`: base vs rewritten model, with ratios."""
+    rows = []
+    if quality:
+        base_q, pruned_q = quality
+        rows.append(("perplexity", f"{base_q['perplexity']:.2f}", f"{pruned_q['perplexity']:.2f}",
+                     f"{pruned_q['perplexity'] / base_q['perplexity']:.2f}x"))
+    for entry in bench["prefill"]:
+        rows.append((f"prefill {entry['seq']} tokens (median ms)", f"{entry['base']['median_ms']:.0f}",
+                     f"{entry['pruned']['median_ms']:.0f}",
+                     f"{entry['speedup']:.2f}x faster (ideal {entry['ideal']:.2f}x)"))
+    decode = bench["decode_tokens_per_s"]
+    if decode["base"] and decode["pruned"]:
+        rows.append(("decode tokens/s", f"{decode['base']:.1f}", f"{decode['pruned']:.1f}",
+                     f"{decode['pruned'] / decode['base']:.2f}x"))
+    kv = bench["kv_bytes_per_token"]
+    if kv["base"]:
+        rows.append(("KV cache bytes/token", f"{kv['base']}", f"{kv['pruned']}", f"{kv['pruned'] / kv['base']:.3f}"))
+    size = bench["model_bytes"]
+    rows.append(("model file bytes", f"{size['base']:,}", f"{size['pruned']:,}",
+                 f"{size['pruned'] / size['base']:.3f}"))
+    memory = bench.get("peak_memory_bytes", {})
+    if memory.get("base") and memory.get("pruned"):
+        rows.append(("peak memory (MiB)", f"{memory['base'] / 2**20:.0f}", f"{memory['pruned'] / 2**20:.0f}",
+                     f"{memory['pruned'] / memory['base']:.3f}"))
+    lines = [f"| {bench['machine']} | base | {method} | ratio |", "|---|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
+    return "\n".join(lines)

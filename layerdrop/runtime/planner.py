@@ -1,0 +1,144 @@
+"""The planner: for an attention budget, choose which attention layers go and how (drop, or a rescaled V·O
+bypass with which alpha), by held-out perplexity measured in ONNX Runtime.
+
+Search, starting from the cosine ranking instead of every combination:
+  1. pool: the `budget + extra` lowest-scored attention layers;
+  2. solo: for each pool layer alone, the best alpha in {0, 0.1, ..., 1} (alpha 0 is a drop);
+  3. greedy: add, one at a time, the pool layer (with its solo alpha) whose addition gives the lowest perplexity;
+  4. refine: re-search the chosen layers' alphas greedily top-down, as HARP does.
+Every evaluation starts from the hidden state entering the lowest changed layer, computed once from the
+unmodified model, so a candidate costs only the layers above it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+from tqdm import tqdm
+
+from layerdrop.runtime.alpha_search import (
+    ALPHA_GRID,
+    ALPHA_INPUT,
+    HIDDEN_INPUT,
+    greedy_alpha_search,
+    hidden_states_at,
+    suffix_model,
+)
+from layerdrop.runtime.evaluate import perplexity
+from layerdrop.runtime.session import make_session
+
+
+@dataclass
+class Plan:
+    """Chosen moves (layer -> alpha; 0 means drop), the search perplexity, and a log of every evaluation."""
+
+    alphas: dict[int, float]
+    perplexity: float
+    log: list[dict] = field(default_factory=list)
+
+
+class _Evaluator:
+    """Perplexity of the model with a set of bypasses, from cached hidden states (one session per move set)."""
+
+    def __init__(self, model: ir.Model, folder: Path, windows: np.ndarray, layers: list[int], progress: bool,
+                 session_args: dict) -> None:
+        self.model, self.folder, self.windows = model, folder, windows
+        self.session_args = session_args
+        self.hidden = hidden_states_at(model, folder, windows, sorted(layers), **session_args)
+        self.bar = tqdm(desc="plan", unit="eval", disable=not progress, leave=False)
+        self.best = float("inf")
+        self.count = 0
+
+    def __call__(self, alphas: dict[int, float]) -> float:
+        start = min(alphas)
+        session = make_session(suffix_model(self.model, start, dict(alphas), []), folder=self.folder,
+                               **self.session_args)
+        states = self.hidden[start]
+        value = perplexity(session, self.windows, feed_extra=lambda rows: {HIDDEN_INPUT: states[rows]}).perplexity
+        self.count += 1
+        self.best = min(self.best, value)
+        self.bar.update()
+        self.bar.set_postfix(best=f"{self.best:.2f}")
+        return value
+
+    def alpha_sweep(self, fixed: dict[int, float], layer: int) -> dict[float, float]:
+        """Perplexity for each alpha of `layer`, with `fixed` bypasses kept (one session, alpha as an input)."""
+        moves: dict[int, float | str] = {**fixed, layer: ALPHA_INPUT}
+        start = min(moves)
+        session = make_session(suffix_model(self.model, start, moves, []), folder=self.folder, **self.session_args)
+        states = self.hidden[start]
+        results = {}
+        for alpha in ALPHA_GRID:
+            a = np.asarray(alpha, dtype=np.float32)
+            results[alpha] = perplexity(session, self.windows,
+                                        feed_extra=lambda rows, a=a: {HIDDEN_INPUT: states[rows], ALPHA_INPUT: a}
+                                        ).perplexity
+            self.count += 1
+            self.best = min(self.best, results[alpha])
+            self.bar.update()
+            self.bar.set_postfix(best=f"{self.best:.2f}")
+        return results
+
+
+def plan_attention(
+    model: ir.Model,
+    folder: Path,
+    windows: np.ndarray,
+    scores: dict[int, float],
+    budget: int,
+    *,
+    extra: int = 4,
+    progress: bool = True,
+    on_step: Callable[[str], None] | None = None,
+    **session_args,
+) -> Plan:
+    """Choose `budget` attention layers and their alphas (see module docstring).
+
+    Args:
+        scores: attention layer -> cosine score S (low: candidate).
+        windows: token windows [n, seq] of the search text.
+    """
+    pool = sorted(scores, key=lambda layer: (scores[layer], layer))[: min(len(scores), budget + extra)]
+    evaluate = _Evaluator(model, folder, windows, pool, progress, session_args)
+    log: list[dict] = []
+
+    solo: dict[int, float] = {}
+    for layer in pool:
+        sweep = evaluate.alpha_sweep({}, layer)
+        solo[layer] = min(sweep, key=lambda a: (sweep[a], a))
+        log.append({"stage": "solo", "layer": layer, "alpha": solo[layer], "perplexity": sweep[solo[layer]]})
+    if on_step:
+        on_step(f"solo alphas: {solo}")
+
+    chosen: dict[int, float] = {}
+    current = float("inf")
+    while len(chosen) < budget:
+        trials = {layer: evaluate({**chosen, layer: solo[layer]}) for layer in pool if layer not in chosen}
+        layer = min(trials, key=lambda c: (trials[c], c))
+        chosen[layer] = solo[layer]
+        current = trials[layer]
+        log.append({"stage": "greedy", "layer": layer, "alpha": solo[layer], "perplexity": current})
+        if on_step:
+            on_step(f"greedy: + layer {layer} (alpha {solo[layer]}) -> {current:.3f}")
+
+    refined = dict(chosen)
+    for layer in sorted(chosen, reverse=True):
+        others = {k: v for k, v in refined.items() if k != layer}
+        sweep = evaluate.alpha_sweep(others, layer)
+        best = min(sweep, key=lambda a: (sweep[a], a))
+        if sweep[best] < current:
+            refined[layer], current = best, sweep[best]
+        log.append({"stage": "refine", "layer": layer, "alpha": refined[layer], "perplexity": current})
+    evaluate.bar.close()
+    return Plan(refined, current, log)
+
+
+def bypass_search(model: ir.Model, folder: Path, windows: np.ndarray, layers: list[int], *, progress: bool = True,
+                  **session_args) -> dict[int, float]:
+    """Greedy top-down alphas for a fixed set of layers (HARP's search on any layers)."""
+    return greedy_alpha_search(model, folder, windows, sorted(layers, reverse=True), progress=progress,
+                               **session_args).alphas

@@ -1,0 +1,94 @@
+"""Issue 6: eval equals PyTorch perplexity; bench reports every field from real runs; check; pipeline."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from layerdrop import api
+from layerdrop.cli import main
+from layerdrop.runtime.text import bundled_text, pack_windows
+from tests.torch_reference import tiny_model
+
+
+def _torch_perplexity(model, windows: np.ndarray) -> float:
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for row in windows:
+            ids = torch.tensor(row[None])
+            logits = model(ids, use_cache=False).logits.double()
+            nll = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="sum")
+            total += float(nll)
+            count += ids.shape[1] - 1
+    return float(np.exp(total / count))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_eval_perplexity_equals_torch(exported, family):
+    folder = exported(family, True)
+    result = api.evaluate(folder, samples=3, seq_len=48, progress=False)
+    windows = pack_windows(folder, bundled_text("eval"), seq_len=48, samples=3).ids
+    assert result["tokens"] == 3 * 47
+    assert result["perplexity"] == pytest.approx(_torch_perplexity(tiny_model(family), windows), rel=1e-4)
+
+
+def test_eval_side_by_side_with_generations(exported, tmp_path, capsys):
+    base = exported("llama", True)
+    api.drop(base, tmp_path / "p", targets=[("attn", 1)])
+    code = main(["eval", str(base), "--vs", str(tmp_path / "p"), "--samples", "2", "--seq-len", "32",
+                 "--prompt", "Anne was", "--max-new-tokens", "5", "--json", str(tmp_path / "e.json"), "--no-progress"])
+    assert code == 0
+    report = json.loads((tmp_path / "e.json").read_text())
+    assert len(report["models"]) == 2 and len(report["generations"]) == 2
+    assert "ratio" in capsys.readouterr().out
+
+
+def test_bench_reports_every_field_from_real_runs(exported, tmp_path):
+    base = exported("llama", True)
+    api.drop(base, tmp_path / "p", targets=[("attn", 1), ("attn", 2)])
+    assert main(["bench", str(base), str(tmp_path / "p"), "--seq", "16,32", "--runs", "2", "--decode", "4",
+                 "--json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png")]) == 0
+    result = json.loads((tmp_path / "b.json").read_text())
+    assert [e["seq"] for e in result["prefill"]] == [16, 32]
+    for entry in result["prefill"]:
+        assert len(entry["base"]["runs"]) == 2 and len(entry["pruned"]["runs"]) == 2
+        assert entry["speedup"] == pytest.approx(entry["base"]["median_ms"] / entry["pruned"]["median_ms"])
+        assert entry["ideal"] > 1.0 and 0 < entry["removed_share"] < 1
+    assert result["kv_bytes_per_token"]["pruned"] * 4 == result["kv_bytes_per_token"]["base"] * 2
+    assert all(v > 0 for v in result["decode_tokens_per_s"].values())
+    assert result["model_bytes"]["pruned"] < result["model_bytes"]["base"]
+    assert all(v > 0 for v in result["peak_memory_bytes"].values())
+    assert result["provider"] == "cpu"
+    assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_check_exit_codes(exported, tmp_path, capsys):
+    folder = str(exported("llama", True))
+    kv = api.inspect(folder)["kv_bytes_per_token"]
+    assert main(["check", folder, "--max-kv-bytes-per-token", str(kv), "--max-bytes", "1GiB"]) == 0
+    assert main(["check", folder, "--max-kv-bytes-per-token", str(kv - 1)]) == 1
+    assert "over budget: kv_bytes_per_token" in capsys.readouterr().err
+    assert main(["check", folder, "--max-attention-layers", "3", "--json", str(tmp_path / "c.json")]) == 1
+    assert json.loads((tmp_path / "c.json").read_text())["within_budget"] is False
+    assert main(["check", folder, "--max-bytes", "12 parsecs"]) == 2
+    assert main(["check", str(tmp_path / "missing"), "--max-bytes", "1MB"]) == 2
+    assert main(["check", folder]) == 2
+
+
+def test_pipeline_end_to_end_on_a_tiny_model_and_resume(hf_folder, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["pipeline", str(hf_folder("qwen2")), "-o", str(out), "--samples", "4", "--seq-len", "32",
+            "--eval-samples", "2", "--seq", "16", "--runs", "1", "--no-progress"]
+    assert main(args) == 0
+    table = capsys.readouterr().out
+    assert "| perplexity |" in table and "attn-1" in table and "KV cache bytes/token" in table
+    report = json.loads((out / "report.json").read_text())
+    assert report["method"] == "attn-1"
+    assert {p.name for p in out.iterdir()} >= {"export", "scored", "pruned", "report.json", "report.md"}
+    assert main(args) == 2, "a non-empty OUTDIR needs --resume or --force"
+    assert main([*args, "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("up to date, skipped") == 3
