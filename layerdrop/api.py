@@ -329,7 +329,7 @@ def kv_bytes_per_token(model: ir.Model) -> int | None:
             heads, head_dim = dims[1], dims[3]
             if not isinstance(heads, int) or not isinstance(head_dim, int):
                 return None
-            total += heads * head_dim * value.dtype.itemsize
+            total += heads * head_dim * int(value.dtype.itemsize)
     return total or None
 
 

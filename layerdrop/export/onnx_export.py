@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -154,6 +155,8 @@ def export_folder(
     reserve_output(out_dir, inputs=[source] if source else [], force=force)
     source = source or default_model_folder()
     model, tokenizer_dir = load_model(source, trust_remote_code=trust_remote_code)
+    print(f"layerdrop: tracing {source.name} with torch.export ({'with' if kv_cache else 'without'} KV cache); "
+          "a real model takes a minute or two", file=sys.stderr)
     with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.") as tmp:
         staged = Path(tmp) / "model"
         staged.mkdir()

@@ -67,29 +67,37 @@ def prefill_latency(folders: list[Path], seq: int, *, batch: int = 1, runs: int 
     return [{"median_ms": statistics.median(t), "p90_ms": float(np.percentile(t, 90)), "runs": t} for t in times]
 
 
-def decode_tokens_per_second(folder: Path, *, prompt_len: int = 64, new_tokens: int = 32, provider: str = "cpu",
-                             threads: int | None = None) -> float | None:
-    """Greedy decode speed with the KV cache (tokens/s after the prefill); None for a graph without cache."""
-    session = make_session(Path(folder) / "model.onnx", provider=provider, threads=threads)
-    if not is_kv_graph(session):
-        return None
-    prompt = _ids(prompt_len, 1, session)
-    greedy_generate(session, prompt, 2)  # warm-up
-    start = time.perf_counter()
-    greedy_generate(session, prompt, 1)
-    prefill = time.perf_counter() - start
-    start = time.perf_counter()
-    greedy_generate(session, prompt, new_tokens + 1)
-    total = time.perf_counter() - start
-    return new_tokens / max(total - prefill, 1e-9)
+def decode_tokens_per_second(folders: list[Path], *, prompt_len: int = 64, new_tokens: int = 32, rounds: int = 3,
+                             provider: str = "cpu", threads: int | None = None) -> list[float | None]:
+    """Greedy decode speed with the KV cache (tokens/s after the prefill), median of `rounds` interleaved runs;
+    None for a graph without cache."""
+    sessions = [make_session(Path(f) / "model.onnx", provider=provider, threads=threads) for f in folders]
+    speeds: list[list[float]] = [[] for _ in sessions]
+    for _ in range(rounds):
+        for i, session in enumerate(sessions):
+            if not is_kv_graph(session):
+                continue
+            prompt = _ids(prompt_len, 1, session)
+            greedy_generate(session, prompt, 1)  # warm-up and prefill time
+            start = time.perf_counter()
+            greedy_generate(session, prompt, 1)
+            prefill = time.perf_counter() - start
+            start = time.perf_counter()
+            greedy_generate(session, prompt, new_tokens + 1)
+            speeds[i].append(new_tokens / max(time.perf_counter() - start - prefill, 1e-9))
+    return [statistics.median(s) if s else None for s in speeds]
 
 
 def node_times(folder: Path, seq: int, *, runs: int = 3, provider: str = "cpu", threads: int | None = None
                ) -> dict[str, float]:
-    """Mean time (µs) per graph node over `runs` profiled prefills, keyed by node name."""
+    """Mean time (µs) per graph node over `runs` profiled prefills, keyed by node name.
+
+    Graph optimizations are off for the profile so every name is a node of the ONNX graph; ONNX Runtime fuses
+    little on these graphs, so the shares of time match the optimized run closely.
+    """
     with tempfile.TemporaryDirectory() as tmp:
         session = make_session(Path(folder) / "model.onnx", provider=provider, threads=threads,
-                               profile_prefix=os.path.join(tmp, "profile"))
+                               profile_prefix=os.path.join(tmp, "profile"), optimize=False)
         feed = prefill_feed(session, _ids(seq, 1, session))
         session.run(["logits"], feed)
         for _ in range(runs):
@@ -130,7 +138,7 @@ def _measure_peak(folder: str, seq: int, provider: str, threads: int | None) -> 
     """Run one prefill in this (fresh) process and report its peak memory: RSS on CPU, device memory on CUDA."""
     from layerdrop.runtime.session import active_provider
 
-    session = make_session(Path(folder) / "model.onnx", provider=provider, threads=threads)
+    session = make_session(Path(folder) / "model.onnx", provider=provider, threads=threads, arena=False)
     session.run(["logits"], prefill_feed(session, _ids(seq, 1, session)))
     if active_provider(session) == "cuda":
         return _cuda_memory_of_this_process()
@@ -184,9 +192,8 @@ def compare(base: Path, pruned: Path, *, seqs: tuple[int, ...] = (256, 1024), ba
         "machine": machine,
         "provider": used,
         "prefill": prefill,
-        "decode_tokens_per_s": {
-            name: decode_tokens_per_second(folder, new_tokens=decode_tokens, provider=used, threads=threads)
-            for name, folder in (("base", base), ("pruned", pruned))},
+        "decode_tokens_per_s": dict(zip(("base", "pruned"), decode_tokens_per_second(
+            [base, pruned], new_tokens=decode_tokens, provider=used, threads=threads))),
         "kv_bytes_per_token": {"base": kv[0], "pruned": kv[1]},
         "model_bytes": {"base": model_bytes(base), "pruned": model_bytes(pruned)},
         "peak_memory_bytes": {name: peak_memory(folder, max(seqs), provider=used, threads=threads)

@@ -13,8 +13,11 @@ from layerdrop.errors import LayerdropError
 _PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
 
 
-def _options(threads: int | None, profile_prefix: str | None) -> ort.SessionOptions:
+def _options(threads: int | None, profile_prefix: str | None, optimize: bool, arena: bool) -> ort.SessionOptions:
     options = ort.SessionOptions()
+    if not optimize:  # node names then match the ONNX graph one to one (used for profiles)
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.enable_cpu_mem_arena = arena
     options.log_severity_level = 3  # a missing CUDA library is reported by our one notice line, not a red log
     if threads:
         options.intra_op_num_threads = threads
@@ -32,6 +35,8 @@ def make_session(
     provider: str = "cpu",
     threads: int | None = None,
     profile_prefix: str | None = None,
+    optimize: bool = True,
+    arena: bool = True,
 ) -> ort.InferenceSession:
     """Create an ONNX Runtime session.
 
@@ -40,6 +45,8 @@ def make_session(
             (serialized without copying the weights; ONNX Runtime reads them from `folder`).
         provider: "cpu", "cuda" (falls back to CPU with one notice line when CUDA cannot be used) or "auto".
         threads: intra-op threads (None: ONNX Runtime's default).
+        optimize: apply ONNX Runtime's graph optimizations (off: node names stay those of the ONNX graph).
+        arena: use the CPU memory arena (off: memory figures show what the model really needs).
 
     Raises:
         LayerdropError: the graph is rejected by ONNX Runtime, or the provider name is unknown.
@@ -48,7 +55,7 @@ def make_session(
         provider = "cuda" if "CUDAExecutionProvider" in ort.get_available_providers() else "cpu"
     if provider not in _PROVIDERS:
         raise LayerdropError(f"unknown provider {provider!r}; use cpu, cuda or auto")
-    options = _options(threads, profile_prefix)
+    options = _options(threads, profile_prefix, optimize, arena)
     if isinstance(model, ir.Model):
         if folder is None:
             raise ValueError("an in-memory model needs the folder that holds its external data")

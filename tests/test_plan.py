@@ -1,0 +1,60 @@
+"""Issue 9: the planner honours its budget exactly, beats or equals the other methods on the search text, and
+writes a model equal to the PyTorch reference for the chosen moves."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from layerdrop import api
+from layerdrop.cli import main
+from tests.helpers import ort_logits
+from tests.torch_reference import VOCAB, logits, replaced, tiny_model
+
+
+@pytest.fixture(scope="module")
+def planned(exported, tmp_path_factory):
+    out = tmp_path_factory.mktemp("plan") / "model"
+    report = tmp_path_factory.mktemp("plan-json") / "plan.json"
+    code = main(["plan", str(exported("llama", True)), "-o", str(out), "--budget", "kv=0.5", "--samples", "4",
+                 "--search-samples", "2", "--eval-samples", "2", "--seq-len", "32", "--extra", "1",
+                 "--json", str(report), "--no-progress"])
+    assert code == 0
+    return out, json.loads(report.read_text())
+
+
+def test_plan_honours_the_budget_exactly(planned, exported):
+    out, result = planned
+    assert result["attention_layers"] == 2 and result["kv_fraction_kept"] == 0.5
+    assert len(result["pick"]["alphas"]) == 2
+    for row in result["methods"]:
+        assert len(row["alphas"]) == 2, row
+    assert api.inspect(out)["kv_bytes_per_token"] * 2 == api.inspect(exported("llama", True))["kv_bytes_per_token"]
+    assert len(api.inspect(out)["kv_layers"]) == 2
+
+
+def test_pick_is_never_worse_than_the_other_methods_on_the_search_text(planned):
+    _, result = planned
+    assert result["pick"]["search_ppl"] == min(row["search_ppl"] for row in result["methods"])
+    names = {row["method"] for row in result["methods"]}
+    assert {"planner", "paper 1: iterative drop", "HARP: top layers, searched alphas"} <= names
+
+
+def test_planned_model_equals_torch_reference_for_the_chosen_moves(planned, rng):
+    out, result = planned
+    alphas = {int(k): v for k, v in result["pick"]["alphas"].items()}
+    drops = [("attn", layer) for layer, alpha in alphas.items() if alpha == 0]
+    bypass = {layer: alpha for layer, alpha in alphas.items() if alpha > 0}
+    ids = rng.randint(0, VOCAB, size=(1, 10))
+    reference = logits(replaced(tiny_model("llama"), drops, bypass), ids)
+    np.testing.assert_allclose(ort_logits(out, ids), reference, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("budget,message", [("attn=0", "from 1 to 4"), ("attn=9", "from 1 to 4"),
+                                            ("kv=1.5", "fraction"), ("speed=2", "use attn=N"),
+                                            ("attn=x", "not a number")])
+def test_bad_budget_is_refused(exported, tmp_path, capsys, budget, message):
+    code = main(["plan", str(exported("llama", True)), "-o", str(tmp_path / "p"), "--budget", budget])
+    assert code == 2 and message in capsys.readouterr().err

@@ -1,0 +1,361 @@
+"""Issue 8: bad input gets one clear line and exit 2; inputs stay untouched; no partial output; interrupts exit
+130; identical inputs give identical outputs; randomly mutated graphs never crash a command."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from onnx import TensorProto, helper
+
+from layerdrop.cli import main
+from layerdrop.errors import LayerdropError
+from layerdrop.options import parse_alphas, parse_bytes, parse_layers
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(Path(folder).iterdir()) if p.is_file()}
+
+
+def _fails_cleanly(capsys, args, message, code=2):
+    assert main(args) == code, args
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+
+
+@pytest.fixture
+def model_copy(exported, tmp_path):
+    """A private copy of the tiny llama KV export that a test may damage."""
+    target = tmp_path / "model"
+    shutil.copytree(exported("llama", True), target)
+    return target
+
+
+# -- model files -------------------------------------------------------------------------------------------------
+
+def test_missing_paths_and_non_models(capsys, tmp_path):
+    _fails_cleanly(capsys, ["inspect", str(tmp_path / "nope")], "does not exist")
+    (tmp_path / "empty").mkdir()
+    _fails_cleanly(capsys, ["inspect", str(tmp_path / "empty")], "has no model.onnx")
+    (tmp_path / "text.onnx").write_text("this is not a model")
+    _fails_cleanly(capsys, ["inspect", str(tmp_path / "text.onnx")], "not")
+
+
+def test_truncated_onnx_file(capsys, model_copy):
+    data = (model_copy / "model.onnx").read_bytes()
+    (model_copy / "model.onnx").write_bytes(data[: len(data) // 3])
+    _fails_cleanly(capsys, ["inspect", str(model_copy)], "model")
+
+
+def test_missing_or_short_external_data(capsys, model_copy):
+    data = model_copy / "model.onnx.data"
+    blob = data.read_bytes()
+    data.write_bytes(blob[: len(blob) // 2])
+    _fails_cleanly(capsys, ["inspect", str(model_copy)], "shorter than tensor")
+    data.unlink()
+    _fails_cleanly(capsys, ["inspect", str(model_copy)], "is missing")
+
+
+@pytest.mark.parametrize("location", ["../../etc/passwd", "/etc/passwd", "link.data"])
+def test_external_data_outside_the_folder_is_refused(capsys, model_copy, location):
+    proto = onnx.load(model_copy / "model.onnx", load_external_data=False)
+    tensor = next(t for t in proto.graph.initializer if t.data_location == TensorProto.EXTERNAL)
+    for entry in tensor.external_data:
+        if entry.key == "location":
+            entry.value = location
+    onnx.save(proto, model_copy / "model.onnx")
+    if location == "link.data":
+        os.symlink("/etc/passwd", model_copy / "link.data")
+    _fails_cleanly(capsys, ["inspect", str(model_copy)], "outside the model folder")
+
+
+def test_not_a_transformer(capsys, tmp_path):
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"]), helper.make_node("Relu", ["y"], ["z"])], "cnn",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 8, 8])],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, None)],
+        [helper.make_tensor("w", TensorProto.FLOAT, [1, 1, 3, 3], np.ones(9, np.float32))])
+    (tmp_path / "cnn").mkdir()
+    onnx.save(helper.make_model(graph), tmp_path / "cnn" / "model.onnx")
+    _fails_cleanly(capsys, ["inspect", str(tmp_path / "cnn")], "no residual regions found")
+    _fails_cleanly(capsys, ["drop", str(tmp_path / "cnn"), "-o", str(tmp_path / "o"), "--drop", "attn:0"],
+                   "no residual regions found")
+
+
+def test_regions_without_attention_refuse_attn(capsys, exported, tmp_path):
+    from layerdrop import api
+
+    no_attention = tmp_path / "mlp-only"
+    api.drop(exported("llama", False), no_attention, targets=[("attn", i) for i in range(4)])
+    _fails_cleanly(capsys, ["drop", str(no_attention), "-o", str(tmp_path / "o"), "--drop", "attn:1"],
+                   "no attn regions")
+    _fails_cleanly(capsys, ["harp", str(no_attention), "-o", str(tmp_path / "o"), "--top", "1"],
+                   "no attention regions")
+
+
+def test_kv_graph_cannot_lose_every_cache(capsys, exported, tmp_path):
+    _fails_cleanly(capsys, ["drop", str(exported("llama", True)), "-o", str(tmp_path / "o"), "--drop", "attn:0-3"],
+                   "every attention layer")
+    assert not (tmp_path / "o").exists()
+
+
+# -- options -----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args,message", [
+    (["--drop", "attn:1,1"], "twice"), (["--drop", "attn:-1"], "bad layer list"), (["--attn", "-2"], "at least 1"),
+    (["--attn", "5"], "model has 4"), (["--mlp", "0"], "at least 1"), (["--block", "9"], "model has 4"),
+])
+def test_drop_counts_and_lists(capsys, exported, tmp_path, args, message):
+    from layerdrop import api
+
+    scored = tmp_path / "scored"
+    api.score(exported("llama", False), scored, samples=2, seq_len=16, progress=False)
+    _fails_cleanly(capsys, ["drop", str(scored), "-o", str(tmp_path / "o"), *args], message)
+
+
+@given(st.lists(st.integers(0, 200), min_size=1, max_size=20, unique=True))
+def test_parse_layers_round_trips(layers):
+    assert parse_layers(",".join(map(str, layers))) == layers
+
+
+@given(st.text(max_size=12))
+def test_parse_layers_never_crashes(text):
+    try:
+        parse_layers(text)
+    except LayerdropError:
+        pass
+
+
+@given(st.dictionaries(st.integers(0, 99), st.integers(0, 10).map(lambda x: x / 10), min_size=1, max_size=10))
+def test_parse_alphas_round_trips(alphas):
+    assert parse_alphas(",".join(f"{k}={v}" for k, v in alphas.items())) == alphas
+
+
+@given(st.text(max_size=12))
+def test_parse_alphas_never_crashes(text):
+    try:
+        result = parse_alphas(text)
+        assert all(0 <= v <= 1 for v in result.values())
+    except LayerdropError:
+        pass
+
+
+@given(st.integers(0, 10**6), st.sampled_from(["", "B", "KB", "MB", "GB", "KiB", "MiB", "GiB", "kb", "gib"]))
+def test_parse_bytes_units(number, unit):
+    factor = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+    assert parse_bytes(f"{number}{unit}") == number * factor[unit.lower()]
+
+
+@given(st.text(max_size=10))
+def test_parse_bytes_never_crashes(text):
+    try:
+        assert parse_bytes(text) >= 0
+    except LayerdropError:
+        pass
+
+
+def test_parse_bytes_examples():
+    assert parse_bytes("500MB") == 500_000_000
+    assert parse_bytes("1.5GiB") == 1_610_612_736
+
+
+# -- text and export inputs --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("content,message", [(b"", "is empty"), (b"\x00\x01\x02binary", "looks binary"),
+                                             (b"caf\xe9 au lait " * 50, "not UTF-8"), (b"too short", "holds")])
+def test_bad_text_files(capsys, exported, tmp_path, content, message):
+    text = tmp_path / "calib.txt"
+    text.write_bytes(content)
+    _fails_cleanly(capsys, ["score", str(exported("llama", False)), "--calib", str(text), "--samples", "4",
+                            "--seq-len", "32"], message)
+
+
+def test_seq_len_beyond_context(capsys, exported):
+    _fails_cleanly(capsys, ["score", str(exported("llama", False)), "--seq-len", "4096"], "context length 512")
+
+
+def test_truncated_or_foreign_gguf(capsys, tmp_path):
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\x00" * 10)
+    _fails_cleanly(capsys, ["export", str(fake), "-o", str(tmp_path / "o")], "cannot load GGUF file")
+    fake.write_bytes(b"PK\x03\x04 not gguf")
+    _fails_cleanly(capsys, ["export", str(fake), "-o", str(tmp_path / "o")], "not a GGUF file")
+    assert not (tmp_path / "o").exists()
+
+
+def test_remote_code_is_refused_without_flag(capsys, hf_folder, tmp_path):
+    folder = tmp_path / "remote"
+    shutil.copytree(hf_folder("llama"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.Model"}
+    (folder / "config.json").write_text(json.dumps(config))
+    _fails_cleanly(capsys, ["export", str(folder), "-o", str(tmp_path / "o")], "--trust-remote-code")
+
+
+# -- outputs and the process -------------------------------------------------------------------------------------
+
+def test_refused_overwrites_and_untouched_input(capsys, exported, tmp_path):
+    src = exported("llama", True)
+    before = _digest(src)
+    _fails_cleanly(capsys, ["drop", str(src), "-o", str(src), "--drop", "attn:1"], "is the input")
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "keep.txt").write_text("mine")
+    _fails_cleanly(capsys, ["drop", str(src), "-o", str(tmp_path / "busy"), "--drop", "attn:1"], "--force")
+    assert (tmp_path / "busy" / "keep.txt").read_text() == "mine"
+    assert main(["drop", str(src), "-o", str(tmp_path / "busy"), "--drop", "attn:1", "--force"]) == 0
+    assert not (tmp_path / "busy" / "keep.txt").exists()
+    assert _digest(src) == before
+
+
+def test_unwritable_output_folder(capsys, exported, tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):
+            pytest.skip("running as a user that can write anywhere (root)")
+        _fails_cleanly(capsys, ["drop", str(exported("llama", True)), "-o", str(locked / "o"), "--drop", "attn:1"],
+                       "cannot")
+    finally:
+        locked.chmod(0o700)
+
+
+def test_full_disk_leaves_no_partial_output(capsys, exported, tmp_path, monkeypatch):
+    import onnx_ir
+
+    def full_disk(model, path, **kwargs):
+        Path(path).write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(onnx_ir, "save", full_disk)
+    _fails_cleanly(capsys, ["drop", str(exported("llama", True)), "-o", str(tmp_path / "o"), "--drop", "attn:1"],
+                   "no space left", code=1)
+    assert list(tmp_path.iterdir()) == []
+
+
+def _interrupt_when(args: list[str], marker: str, tmp_path: Path, delay: float = 0.5) -> tuple[int, str, float]:
+    """Run the CLI, send SIGINT once `marker` shows on stderr (plus `delay`); return (code, stderr, seconds)."""
+    import threading
+
+    process = subprocess.Popen([sys.executable, "-m", "layerdrop.cli", *args], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    seen: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        while chunk := process.stderr.read(1):
+            seen.append(chunk)
+            if marker in "".join(seen[-200:]):
+                ready.set()
+        ready.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert ready.wait(120), "the command never reached the point to interrupt"
+    time.sleep(delay)
+    start = time.perf_counter()
+    process.send_signal(signal.SIGINT)
+    process.wait(timeout=60)
+    seconds = time.perf_counter() - start
+    reader.join(timeout=10)
+    return process.returncode, "".join(seen), seconds
+
+
+def test_ctrl_c_during_scoring_exits_130_without_output(exported, tmp_path):
+    out = tmp_path / "scored"
+    code, err, seconds = _interrupt_when(["score", str(exported("llama", True)), "-o", str(out), "--seq-len", "512",
+                                          "--samples", "200"], "scoring", tmp_path)
+    assert code == 130, err
+    assert "interrupted" in err and "Traceback" not in err and seconds < 5
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_ctrl_c_during_export_exits_130_without_output(hf_folder, tmp_path):
+    out = tmp_path / "exported"
+    code, err, seconds = _interrupt_when(["export", str(hf_folder("llama")), "-o", str(out)], "tracing", tmp_path,
+                                         delay=1.0)
+    assert code == 130 and "Traceback" not in err, err
+    assert seconds < 5
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+# -- determinism -------------------------------------------------------------------------------------------------
+
+def test_score_and_drop_are_deterministic(exported, tmp_path):
+    src = str(exported("llama", True))
+    for run in ("a", "b"):
+        assert main(["score", src, "-o", str(tmp_path / f"scored-{run}"), "--samples", "3", "--seq-len", "32",
+                     "--json", str(tmp_path / f"{run}.json"), "--no-progress"]) == 0
+        assert main(["drop", str(tmp_path / f"scored-{run}"), "-o", str(tmp_path / f"drop-{run}"), "--joint",
+                     "3"]) == 0
+    assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()
+    assert _digest(tmp_path / "scored-a") == _digest(tmp_path / "scored-b")
+    assert _digest(tmp_path / "drop-a") == _digest(tmp_path / "drop-b")
+
+
+# -- fuzzing -----------------------------------------------------------------------------------------------------
+
+def _mutate(proto: onnx.ModelProto, rng: np.random.RandomState) -> str:
+    nodes = proto.graph.node
+    kind = rng.randint(4)
+    index = rng.randint(len(nodes))
+    if kind == 0:
+        del nodes[index]
+        return "delete node"
+    if kind == 1:
+        node = nodes[index]
+        if node.input:
+            values = [o for n in nodes for o in n.output] + [i.name for i in proto.graph.input]
+            node.input[rng.randint(len(node.input))] = values[rng.randint(len(values))]
+        return "rewire input"
+    if kind == 2:
+        nodes[index].op_type = ["Add", "Mul", "Relu", "Softmax", "MatMul", "Identity"][rng.randint(6)]
+        return "change op"
+    tensor = proto.graph.initializer[rng.randint(len(proto.graph.initializer))]
+    if tensor.dims:
+        tensor.dims[0] = tensor.dims[0] + 1
+    return "corrupt initializer shape"
+
+
+def test_random_graph_mutations_never_crash_a_command(exported, tmp_path, capsys):
+    source = exported("llama", False)
+    base = onnx.load(source / "model.onnx", load_external_data=False)
+    outcomes = {0: 0, 1: 0, 2: 0}
+    for seed in range(200):
+        rng = np.random.RandomState(seed)
+        proto = onnx.ModelProto()
+        proto.CopyFrom(base)
+        _mutate(proto, rng)
+        folder = tmp_path / f"m{seed}"
+        folder.mkdir()
+        onnx.save(proto, folder / "model.onnx")
+        shutil.copy(source / "model.onnx.data", folder / "model.onnx.data")
+        for name in ("tokenizer.json", "config.json"):
+            shutil.copy(source / name, folder / name)
+        commands = [["inspect", str(folder)], ["drop", str(folder), "-o", str(tmp_path / f"o{seed}"), "--drop",
+                                                "mlp:1"]]
+        if seed % 10 == 0:
+            commands.append(["eval", str(folder), "--samples", "1", "--seq-len", "16", "--no-progress"])
+        for args in commands:
+            code = main(args)
+            err = capsys.readouterr().err
+            assert code in (0, 1, 2) and "Traceback" not in err, (seed, args, err)
+            assert code == 0 or err.count("\n") == 1, (seed, args, err)
+            outcomes[code] += 1
+        shutil.rmtree(folder)
+        shutil.rmtree(tmp_path / f"o{seed}", ignore_errors=True)
+    assert outcomes[2] > 0 and outcomes[0] > 0
