@@ -127,8 +127,9 @@ def drop(
     threads: int | None = None,
     force: bool = False,
     progress: bool = True,
+    fuse: bool = False,
 ) -> dict:
-    """Drop modules and write the pruned folder.
+    """Drop modules and write the pruned folder (with `fuse`, ONNX Runtime fusions applied after the drop).
 
     Args:
         targets: explicit (kind, layer) pairs, kind in attn/mlp/block.
@@ -170,9 +171,10 @@ def drop(
         windows = windows_for(folder.path, calib, part="calib", samples=samples, seq_len=seq_len)
         for kinds, count in _selection_kinds(counts):
             _drop_iteratively(model, folder.path, windows, kinds, count, provider, threads, progress)
-    run_passes(model, [*passes, *rewrite_passes([], {}, "")])
+    run_passes(model, [*passes, *rewrite_passes([], {}, "", fuse=fuse)])
     model_folder.save(model, out_dir, source=folder, force=force)
     return {
+        "fusions": json.loads(model.metadata_props.get("layerdrop.ort_fusions", "{}")),
         "dropped": removed_modules(model),
         "kv_layers": kv_layer_map(model),
         "nodes": {"before": nodes_before, "after": len(model.graph)},
@@ -182,8 +184,10 @@ def drop(
 HARP_SEARCH_KEY = "layerdrop.harp_search"
 
 
-def rewrite_passes(drops: list[tuple[str, int]], alphas: dict[int, float], reason: str) -> list[ir.passes.PassBase]:
-    """The passes that apply drops and HARP bypasses, fold alphas, prune the KV cache and clean up."""
+def rewrite_passes(drops: list[tuple[str, int]], alphas: dict[int, float], reason: str, fuse: bool = False
+                   ) -> list[ir.passes.PassBase]:
+    """The passes that apply drops and HARP bypasses, fold alphas, prune the KV cache and clean up; with `fuse`,
+    ONNX Runtime fusions last of all."""
     from onnxscript.rewriter import RewritePass
 
     passes: list[ir.passes.PassBase] = []
@@ -191,7 +195,12 @@ def rewrite_passes(drops: list[tuple[str, int]], alphas: dict[int, float], reaso
         passes.append(DropBranchesPass(drops, reason=reason))
     if alphas:
         passes += [HarpBypassPass(alphas), RewritePass(fold_alpha_rules())]
-    return [*passes, PruneKvCachePass(), *cleanup_passes(), FindResidualsPass()]
+    passes += [PruneKvCachePass(), *cleanup_passes(), FindResidualsPass()]
+    if fuse:
+        from layerdrop.passes.ort_fusions import OrtFusionPass
+
+        passes += [OrtFusionPass(), *cleanup_passes()]
+    return passes
 
 
 def harp(
@@ -208,6 +217,7 @@ def harp(
     threads: int | None = None,
     force: bool = False,
     progress: bool = True,
+    fuse: bool = False,
 ) -> dict:
     """Replace attention by the rescaled V·O map (SPEC §4) in chosen layers, and write the folder.
 
@@ -248,10 +258,11 @@ def harp(
                 {"text": windows.source, "trials": trials, "seconds": round(seconds, 1)}, sort_keys=True)
         else:
             alphas = {layer: 1.0 for layer in layers}
-    run_passes(model, rewrite_passes([], alphas, "harp"))
+    run_passes(model, rewrite_passes([], alphas, "harp", fuse=fuse))
     model_folder.save(model, out_dir, source=folder, force=force)
     return {"alphas": {int(k): v for k, v in alphas.items()}, "trials": trials, "search_seconds": seconds,
-            "kv_layers": kv_layer_map(model)}
+            "kv_layers": kv_layer_map(model),
+            "fusions": json.loads(model.metadata_props.get("layerdrop.ort_fusions", "{}"))}
 
 
 def _check_kinds_exist(regions, targets: list[tuple[str, int]], counts: dict[str, int]) -> None:

@@ -75,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iterative", action="store_true", help="re-score after each single drop (needs text)")
     _text_options(p, "--calib", "calibration")
     p.add_argument("--json", type=Path, help="write what was dropped as JSON")
+    p.add_argument("--fuse", action="store_true", help="apply ONNX Runtime fusions after the drop")
     _common(p)
 
     p = sub.add_parser("harp", help="replace top-layer attention by a rescaled V·O projection (HARP)")
@@ -87,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=parse_count, default=8, help="windows of held-out text for the search")
     p.add_argument("--seq-len", type=parse_count, default=256)
     p.add_argument("--json", type=Path, help="write the alphas and every perplexity tried as JSON")
+    p.add_argument("--fuse", action="store_true", help="apply ONNX Runtime fusions after the rewrite")
     _common(p)
 
     p = sub.add_parser("eval", help="perplexity (and greedy generations) of one model or two side by side")
@@ -136,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", type=parse_count, default=5)
     p.add_argument("--resume", action="store_true", help="skip stages whose output matches their inputs")
     p.add_argument("--force", action="store_true", help="redo every stage in a non-empty OUTDIR")
+    p.add_argument("--fuse", action="store_true", help="apply ONNX Runtime fusions to the rewritten model")
     _common(p)
 
     p = sub.add_parser("plan", help="for a budget, choose which attention layers go and how (drop or bypass)")
@@ -243,9 +246,10 @@ def cmd_drop(args) -> int:
     counts = {k: getattr(args, k) for k in ("attn", "mlp", "block", "joint")}
     result = api.drop(args.model, args.output, targets=targets, counts=counts, iterative=args.iterative,
                       calib=args.calib, samples=args.samples, seq_len=args.seq_len, provider=args.provider,
-                      threads=args.threads, force=args.force, progress=_progress(args))
+                      threads=args.threads, force=args.force, progress=_progress(args), fuse=args.fuse)
     names = ", ".join(f"{e['kind']}:{e['layer']}" for e in result["dropped"])
     print(f"dropped {names}; nodes {result['nodes']['before']} -> {result['nodes']['after']}; written to {args.output}")
+    _print_fusions(result["fusions"], args.fuse)
     if args.json:
         api.write_json(result, args.json)
     return 0
@@ -256,13 +260,20 @@ def cmd_harp(args) -> int:
 
     result = api.harp(args.model, args.output, alphas=args.alpha, top=args.top, search=args.search,
                       eval_text=args.eval, samples=args.samples, seq_len=args.seq_len, provider=args.provider,
-                      threads=args.threads, force=args.force, progress=_progress(args))
+                      threads=args.threads, force=args.force, progress=_progress(args), fuse=args.fuse)
+    _print_fusions(result["fusions"], args.fuse)
     alphas = ", ".join(f"{layer}={alpha:g}" for layer, alpha in sorted(result["alphas"].items(), reverse=True))
     searched = f" (searched in {result['search_seconds']:.0f} s)" if result["trials"] else ""
     print(f"HARP alphas {alphas}{searched}; written to {args.output}")
     if args.json:
         api.write_json(result, args.json)
     return 0
+
+
+def _print_fusions(counts: dict[str, int], asked: bool) -> None:
+    if asked:
+        fused = ", ".join(f"{name} x{count}" for name, count in counts.items()) or "nothing matched"
+        print(f"ONNX Runtime fusions: {fused}")
 
 
 def cmd_eval(args) -> int:
@@ -293,7 +304,7 @@ def cmd_bench(args) -> int:
     from layerdrop.runtime.bench import compare, plot_prefill
 
     for folder in (args.base, args.pruned):
-        api.inspect(folder)  # validates both folders first, with clear errors
+        api.model_folder.load(folder)  # validates both folders first, with clear errors
     seqs = args.seq or ((512, 1024, 2048, 4096) if args.provider == "cuda" else (256, 1024))
     result = compare(args.base, args.pruned, seqs=seqs, batch=args.batch, runs=args.runs, decode_tokens=args.decode,
                      provider=args.provider, threads=args.threads)
@@ -336,7 +347,7 @@ def cmd_pipeline(args) -> int:
                           joint=args.joint, harp_top=args.harp, samples=args.samples, seq_len=args.seq_len,
                           eval_samples=args.eval_samples, bench_seq=args.seq, bench_runs=args.runs,
                           provider=args.provider, threads=args.threads, resume=args.resume, force=args.force,
-                          progress=_progress(args))
+                          progress=_progress(args), fuse=args.fuse)
     print(side_by_side(report["bench"], report["method"], report["quality"]))
     print(f"all stages and report.json are in {args.output}")
     return 0

@@ -65,6 +65,7 @@ def run_pipeline(
     resume: bool = False,
     force: bool = False,
     progress: bool = True,
+    fuse: bool = False,
 ) -> dict:
     """Run the whole pipeline; returns the side-by-side report (also written to OUTDIR/report.json and .md).
 
@@ -100,15 +101,16 @@ def run_pipeline(
     layers = int(api.inspect(scored)["regions"][-1]["layer"]) + 1
     if harp_top is not None:
         method = f"harp-{harp_top}"
-        key = _fingerprint("harp", _stamp_of(scored), harp_top, _file_digest(calib))
+        key = _fingerprint("harp", _stamp_of(scored), harp_top, _file_digest(calib), fuse)
         _stage(method, pruned, key, resume and not redo, lambda: api.harp(
             scored, pruned, top=harp_top, search=True, eval_text=calib, provider=provider, threads=threads,
-            force=True, progress=progress))
+            force=True, progress=progress, fuse=fuse))
     else:
         counts = {"joint": joint} if joint is not None else {"attn": attn if attn is not None else max(1, layers // 4)}
         method = "-".join(f"{k}-{v}" for k, v in counts.items())
-        key = _fingerprint("drop", _stamp_of(scored), counts)
-        _stage(method, pruned, key, resume and not redo, lambda: api.drop(scored, pruned, counts=counts, force=True))
+        key = _fingerprint("drop", _stamp_of(scored), counts, fuse)
+        _stage(method, pruned, key, resume and not redo,
+               lambda: api.drop(scored, pruned, counts=counts, force=True, fuse=fuse))
 
     print("[eval] ...", file=sys.stderr)
     quality = [api.evaluate(folder, text=eval_text, samples=eval_samples, seq_len=seq_len, provider=provider,

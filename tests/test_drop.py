@@ -145,3 +145,16 @@ def test_drop_cli_reports_and_writes_json(scored_llama, tmp_path, capsys):
                  str(tmp_path / "d.json")]) == 0
     assert "dropped attn:" in capsys.readouterr().out
     assert json.loads((tmp_path / "d.json").read_text())["dropped"][0]["reason"] == "attn-1 one-shot"
+
+
+def test_fused_drop_still_matches_torch(exported, tmp_path, rng, capsys):
+    out = tmp_path / "fused"
+    assert main(["drop", str(exported("llama", True)), "-o", str(out), "--drop", "attn:1", "--fuse"]) == 0
+    assert "ONNX Runtime fusions:" in capsys.readouterr().out
+    proto = onnx.load(out / "model.onnx", load_external_data=False)
+    fusions = json.loads({p.key: p.value for p in proto.metadata_props}["layerdrop.ort_fusions"])
+    assert fusions, "at least one ORT fusion applies to a Llama graph"
+    assert any(n.domain == "com.microsoft" for n in proto.graph.node)
+    ids = rng.randint(0, VOCAB, size=(1, 9))
+    np.testing.assert_allclose(ort_logits(out, ids), logits(replaced(tiny_model("llama"), [("attn", 1)]), ids),
+                               atol=TOL, rtol=0)

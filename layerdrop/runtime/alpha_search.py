@@ -18,6 +18,7 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 from tqdm import tqdm
 
+from layerdrop.errors import LayerdropError
 from layerdrop.model_folder import copy_model
 from layerdrop.passes.cleanup import run_passes
 from layerdrop.passes.drop_branches import DropBranchesPass
@@ -56,15 +57,19 @@ def suffix_model(model: ir.Model, start_layer: int, moves: dict[int, float | str
     """A copy of `model` that starts at the attention of `start_layer` (input `layerdrop_hidden`) and returns
     logits, with `moves` (layer -> alpha or an input name) bypassed by HARP and `drops` removed."""
     copy = copy_model(model)
+    # The hidden state entering `start_layer`, found before any rewrite: it survives them all, even when the
+    # layer's own attention is removed (alpha 0).
+    entry = next((r.skip for r in find_residual_regions(copy.graph) if r.layer == start_layer), None)
+    if entry is None:
+        raise LayerdropError(f"layer {start_layer} has no residual region to start a suffix graph from")
     passes = []
     if drops:
         passes.append(DropBranchesPass(drops, reason="search"))
     if moves:
         passes.append(HarpBypassPass(moves))
     run_passes(copy, passes)
-    start = next(r for r in find_residual_regions(copy.graph) if r.layer == start_layer and r.kind in ("attn", "harp"))
-    hidden = ir.Value(name=HIDDEN_INPUT, shape=start.skip.shape, type=start.skip.type)
-    start.skip.replace_all_uses_with(hidden)
+    hidden = ir.Value(name=HIDDEN_INPUT, shape=entry.shape, type=entry.type)
+    entry.replace_all_uses_with(hidden)
     copy.graph.inputs.append(hidden)
     logits = next(v for v in copy.graph.outputs if v.name == "logits")
     copy.graph.outputs.clear()

@@ -173,7 +173,7 @@ def compare(base: Path, pruned: Path, *, seqs: tuple[int, ...] = (256, 1024), ba
     """Measure two model folders side by side (see module docstring); every ratio comes from these runs."""
     import platform
 
-    from layerdrop import api
+    from layerdrop import api, model_folder
     from layerdrop.runtime.session import active_provider
 
     probe = make_session(Path(base) / "model.onnx", provider=provider, threads=threads)
@@ -186,7 +186,7 @@ def compare(base: Path, pruned: Path, *, seqs: tuple[int, ...] = (256, 1024), ba
         ideal = ideal_speedup(base, pruned, seq, provider=used, threads=threads)
         prefill.append({"seq": seq, "batch": batch, "base": base_t, "pruned": pruned_t,
                         "speedup": base_t["median_ms"] / pruned_t["median_ms"], **ideal})
-    kv = [api.inspect(folder)["kv_bytes_per_token"] for folder in (base, pruned)]
+    kv = [api.kv_bytes_per_token(model_folder.load(folder)[1]) for folder in (base, pruned)]
     machine = f"{platform.machine()}, {os.cpu_count()} cores, {threads or 'default'} threads, {used}"
     return {
         "machine": machine,
