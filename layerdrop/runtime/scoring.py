@@ -1,7 +1,8 @@
 """Calibration scoring (SPEC §2): run text through ONNX Runtime and measure S = 1 - cos(X, Y) per region.
 
-The calibration copy of the graph outputs X and Y of every region and nothing else, so everything after the
-last region (final norm, LM head) is dead code and never runs; a KV graph runs with past length 0.
+The calibration copy of the graph computes, inside ONNX Runtime and in float64, the per-token norms of X and Y
+and their dot product for every region, and outputs only those; everything after the last region (final norm,
+LM head) is dead code and never runs; a KV graph runs with past length 0.
 """
 
 from __future__ import annotations
@@ -39,22 +40,50 @@ def _block_spans(regions: list[ResidualRegion]) -> dict[int, tuple[ir.Value, ir.
     return spans
 
 
-def calibration_model(model: ir.Model) -> tuple[ir.Model, list[tuple[str, int, str, str]]]:
-    """A copy of `model` whose outputs are the X and Y of every region (and of every block).
+def calibration_model(model: ir.Model) -> tuple[ir.Model, list[tuple[str, int, str, str, str]]]:
+    """A copy of `model` that outputs, per token and in float64, |X|^2 and |Y|^2 of every region and block and
+    X·Y of each; nothing after the last region (final norm, LM head) is computed.
 
-    Returns the copy and one (kind, layer, x_name, y_name) row per module, regions first, then blocks.
+    Returns the copy and one (kind, layer, x_norm2, y_norm2, dot) row of output names per module, regions first.
     """
     copy = copy_model(model)
     regions = find_residual_regions(copy.graph)
-    rows = [(r.kind, r.layer, r.skip, r.output) for r in regions]
-    rows += [("block", layer, x, y) for layer, (x, y) in _block_spans(regions).items()]
-    copy.graph.outputs.clear()
-    for _, _, x, y in rows:
+    spans = [(r.kind, r.layer, r.skip, r.output) for r in regions]
+    spans += [("block", layer, x, y) for layer, (x, y) in _block_spans(regions).items()]
+    graph = copy.graph
+    axes = ir.Value(name="layerdrop.calib.axes", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([1]),
+                    const_value=ir.tensor(np.array([-1], dtype=np.int64), name="layerdrop.calib.axes"))
+    graph.register_initializer(axes)
+    doubles: dict[ir.Value, ir.Value] = {}
+    outputs: list[ir.Value] = []
+
+    def add(op: str, inputs: list[ir.Value], **attributes) -> ir.Value:
+        node = ir.node(op, inputs, attributes=attributes)
+        graph.append(node)
+        return node.outputs[0]
+
+    def as_double(value: ir.Value) -> ir.Value:
+        if value not in doubles:
+            doubles[value] = add("Cast", [value], to=ir.DataType.DOUBLE)
+        return doubles[value]
+
+    def reduced(a: ir.Value, b: ir.Value, name: str) -> str:
+        total = add("ReduceSum", [add("Mul", [as_double(a), as_double(b)]), axes], keepdims=0)
+        total.name = name
+        outputs.append(total)
+        return name
+
+    norms: dict[ir.Value, str] = {}
+    rows = []
+    for index, (kind, layer, x, y) in enumerate(spans):
         for value in (x, y):
-            if value not in copy.graph.outputs:
-                copy.graph.outputs.append(value)
+            if value not in norms:
+                norms[value] = reduced(value, value, f"layerdrop.calib.norm2.{len(norms)}")
+        rows.append((kind, layer, norms[x], norms[y], reduced(x, y, f"layerdrop.calib.dot.{index}")))
+    graph.outputs.clear()
+    graph.outputs.extend(outputs)
     RemoveUnusedNodesPass()(copy)
-    return copy, [(kind, layer, x.name, y.name) for kind, layer, x, y in rows]
+    return copy, rows
 
 
 class _CosineAccumulator:
@@ -65,13 +94,10 @@ class _CosineAccumulator:
         self.ratio = 0.0
         self.tokens = 0
 
-    def add(self, x: np.ndarray, y: np.ndarray, mask: np.ndarray) -> None:
-        x = x.astype(np.float64)[mask]
-        y = y.astype(np.float64)[mask]
-        x_norm = np.linalg.norm(x, axis=-1)
-        y_norm = np.linalg.norm(y, axis=-1)
+    def add(self, x_norm2: np.ndarray, y_norm2: np.ndarray, dot: np.ndarray, mask: np.ndarray) -> None:
         tiny = np.finfo(np.float64).tiny
-        cos = np.einsum("td,td->t", x, y) / np.maximum(x_norm * y_norm, tiny)
+        x_norm, y_norm = np.sqrt(x_norm2[mask]), np.sqrt(y_norm2[mask])
+        cos = dot[mask] / np.maximum(x_norm * y_norm, tiny)
         self.distance += float(np.sum(1.0 - cos))
         self.ratio += float(np.sum(y_norm / np.maximum(x_norm, tiny)))
         self.tokens += int(mask.sum())
@@ -105,11 +131,11 @@ def compute_scores(
         ids = windows.ids[start : start + batch_size]
         mask = np.ones(ids.shape, dtype=bool)
         outputs = dict(zip(names, session.run(names, prefill_feed(session, ids))))
-        for accumulator, (_, _, x_name, y_name) in zip(accumulators, rows):
-            accumulator.add(outputs[x_name], outputs[y_name], mask)
+        for accumulator, (_, _, x_norm2, y_norm2, dot) in zip(accumulators, rows):
+            accumulator.add(outputs[x_norm2], outputs[y_norm2], outputs[dot], mask)
     kind_order = {"attn": 0, "mlp": 1, "block": 2}
     scores = [
         ModuleScore(layer, kind, acc.distance / acc.tokens, acc.ratio / acc.tokens)
-        for (kind, layer, _, _), acc in zip(rows, accumulators)
+        for (kind, layer, *_), acc in zip(rows, accumulators)
     ]
     return sorted(scores, key=lambda s: (s.layer, kind_order[s.kind]))
