@@ -359,3 +359,25 @@ def test_random_graph_mutations_never_crash_a_command(exported, tmp_path, capsys
         shutil.rmtree(folder)
         shutil.rmtree(tmp_path / f"o{seed}", ignore_errors=True)
     assert outcomes[2] > 0 and outcomes[0] > 0
+
+
+class _Exploit:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_pickled_weights_are_loaded_with_weights_only(capsys, hf_folder, tmp_path):
+    import torch
+
+    folder = tmp_path / "pickled"
+    folder.mkdir()
+    shutil.copy(hf_folder("llama") / "config.json", folder / "config.json")
+    capsys.readouterr()
+    marker = tmp_path / "code-was-executed"
+    torch.save({"model.embed_tokens.weight": _Exploit(marker)}, folder / "pytorch_model.bin")
+    _fails_cleanly(capsys, ["export", str(folder), "-o", str(tmp_path / "o")], "cannot load the model")
+    assert not marker.exists(), "unpickling ran code: weights were not loaded with weights_only=True"
+    assert not (tmp_path / "o").exists()

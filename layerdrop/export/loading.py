@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -61,8 +62,9 @@ def load_model(source: Path, *, trust_remote_code: bool = False) -> tuple[torch.
         model = transformers.AutoModelForCausalLM.from_pretrained(
             source, dtype=torch.float32, trust_remote_code=trust_remote_code, local_files_only=True
         )
-    except (OSError, ValueError, KeyError) as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    except Exception as exc:  # noqa: BLE001 - loaders raise many types (OSError, UnpicklingError, ValueError)
+        first_line = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        first_line = re.sub(r"\x1b\[[0-9;]*m", "", first_line)  # torch colours some of its messages
         raise LayerdropError(f"cannot load the model in {source}: {first_line}") from None
     return model.eval(), source
 
