@@ -56,7 +56,7 @@ def main() -> None:
     table.append(("joint-8 one-shot", ppl(lowest(("attn", "mlp"), 8))))
     scratch = copy_model(model)
     calib = api.windows_for(folder.path, None, part="calib", samples=16, seq_len=args.seq_len)
-    api._drop_iteratively(scratch, folder.path, calib, ("attn",), 8, "cpu", args.threads, True)
+    api.drop_iteratively(scratch, folder.path, calib, ("attn",), 8, "cpu", args.threads, True)
     iterative = [(e["kind"], e["layer"]) for e in removed_modules(scratch)]
     table.append(("attn-8 iterative", ppl(iterative)))
     top8 = attention[::-1][:8]

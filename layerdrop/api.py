@@ -161,7 +161,7 @@ def drop(
     if targets:
         passes.append(DropBranchesPass(targets, reason="explicit"))
     elif not iterative:
-        rows = read_scores(model)
+        rows = read_scores(model, regions)
         if not rows:
             raise LayerdropError(f"{model_path} has no scores; run `layerdrop score` on it first")
         for kinds, count in _selection_kinds(counts):
@@ -170,7 +170,7 @@ def drop(
     else:
         windows = windows_for(folder.path, calib, part="calib", samples=samples, seq_len=seq_len)
         for kinds, count in _selection_kinds(counts):
-            _drop_iteratively(model, folder.path, windows, kinds, count, provider, threads, progress)
+            drop_iteratively(model, folder.path, windows, kinds, count, provider, threads, progress)
     run_passes(model, [*passes, *rewrite_passes([], {}, "", fuse=fuse)])
     model_folder.save(model, out_dir, source=folder, force=force)
     return {
@@ -275,7 +275,8 @@ def _check_kinds_exist(regions, targets: list[tuple[str, int]], counts: dict[str
             raise LayerdropError(f"this graph has no {kind} regions; nothing of that kind can be dropped")
 
 
-def _drop_iteratively(model, folder, windows, kinds, count, provider, threads, progress) -> None:
+def drop_iteratively(model: ir.Model, folder: Path, windows: Windows, kinds: tuple[str, ...], count: int,
+                     provider: str = "cpu", threads: int | None = None, progress: bool = True) -> None:
     """Drop the lowest-scored module, re-score the pruned graph, repeat `count` times (SPEC §3, iterative)."""
     label = "joint" if len(kinds) > 1 else kinds[0]
     for step in range(count):
@@ -306,8 +307,7 @@ def evaluate(
     from layerdrop.runtime.evaluate import perplexity
     from layerdrop.runtime.session import make_session
 
-    folder = model_folder.resolve(model_path)
-    model_folder.load(model_path)  # validates the folder and its external data before ONNX Runtime reads it
+    folder, _ = model_folder.load(model_path)  # validates the folder and its external data before ORT reads it
     windows = windows_for(folder.path, text, part="eval", samples=samples, seq_len=seq_len)
     session = make_session(folder.onnx_path, provider=provider, threads=threads)
     result = perplexity(session, windows.ids, batch_size=batch_size, progress=progress)
@@ -348,7 +348,7 @@ def inspect(model_path: Path) -> dict:
     """Describe a model folder: regions with their scores, KV bytes per token, what was removed."""
     _, model = model_folder.load(model_path)
     regions = annotated_regions(model)
-    scores = {(r["kind"], r["layer"]): r for r in read_scores(model)}
+    scores = {(r["kind"], r["layer"]): r for r in read_scores(model, regions)}
     rows = []
     for region in regions:
         row = {"layer": region.layer, "kind": region.kind, "branch_nodes": len(region.branch),
@@ -503,7 +503,7 @@ def plan(
         raise LayerdropError("this graph has no attention regions; nothing to plan")
     kind, value, seq = parse_budget(budget, len(attention))
     started = time.perf_counter()
-    rows = read_scores(model)
+    rows = read_scores(model, regions)
     if not rows:
         rows = score(folder.path, None, calib=calib, samples=samples, seq_len=seq_len, provider=provider,
                      threads=threads, progress=progress)["regions"]
@@ -525,7 +525,7 @@ def plan(
         "paper 1: one-shot drop of the lowest scores": dict.fromkeys(lowest, 0.0)}
     scratch = model_folder.copy_model(model)
     calib_windows = windows_for(folder.path, calib, part="calib", samples=min(samples, 16), seq_len=seq_len)
-    _drop_iteratively(scratch, folder.path, calib_windows, ("attn",), count, provider, threads, progress)
+    drop_iteratively(scratch, folder.path, calib_windows, ("attn",), count, provider, threads, progress)
     methods["paper 1: iterative drop"] = {e["layer"]: 0.0 for e in removed_modules(scratch)}
     methods["HARP: top layers, searched alphas"] = bypass_search(model, folder.path, search.ids, top,
                                                                   progress=progress, **session_args)
@@ -541,8 +541,7 @@ def plan(
                       "search_ppl": search_ppl, "eval_ppl": eval_ppl})
     pick = min(table, key=lambda row: row["search_ppl"])
     seconds = time.perf_counter() - started
-    empty = model_folder.copy_model(model)
-    baseline = make_session(empty, folder=folder.path, **session_args)
+    baseline = make_session(model, folder=folder.path, **session_args)  # still unmodified here
     base = {"search_ppl": perplexity(baseline, search.ids).perplexity,
             "eval_ppl": perplexity(baseline, held_out.ids).perplexity}
     kept = (len(attention) - count) / len(attention)

@@ -8,6 +8,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from layerdrop import model_folder
 from layerdrop.errors import LayerdropError
 from layerdrop.options import parse_alphas, parse_bytes, parse_count, parse_modules
 
@@ -304,7 +305,7 @@ def cmd_bench(args) -> int:
     from layerdrop.runtime.bench import compare, plot_prefill
 
     for folder in (args.base, args.pruned):
-        api.model_folder.load(folder)  # validates both folders first, with clear errors
+        model_folder.load(folder)  # validates both folders first, with clear errors
     seqs = args.seq or ((512, 1024, 2048, 4096) if args.provider == "cuda" else (256, 1024))
     result = compare(args.base, args.pruned, seqs=seqs, batch=args.batch, runs=args.runs, decode_tokens=args.decode,
                      provider=args.provider, threads=args.threads)
@@ -324,7 +325,7 @@ def cmd_check(args) -> int:
     from layerdrop.runtime.bench import model_bytes
 
     info = api.inspect(args.model)
-    folder = api.model_folder.resolve(args.model).path
+    folder = model_folder.resolve(args.model).path
     measured = {"bytes": model_bytes(folder), "kv_bytes_per_token": info["kv_bytes_per_token"] or 0,
                 "attention_layers": sum(r["kind"] == "attn" for r in info["regions"])}
     limits = {"bytes": args.max_bytes, "kv_bytes_per_token": args.max_kv_bytes_per_token,

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 import onnx_ir as ir
 
-from layerdrop.passes.find_residuals import annotated_regions
+from layerdrop.passes.find_residuals import ResidualRegion, annotated_regions
 
 SCORE_KEY = "layerdrop.score"
 BLOCK_SCORE_KEY = "layerdrop.block_score"
@@ -44,10 +44,13 @@ class AttachScoresPass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=True)
 
 
-def read_scores(model: ir.Model) -> list[dict]:
-    """The attached scores as rows {"layer", "kind", "score", "norm_ratio"}; [] for an unscored model."""
+def read_scores(model: ir.Model, regions: list[ResidualRegion] | None = None) -> list[dict]:
+    """The attached scores as rows {"layer", "kind", "score", "norm_ratio"}; [] for an unscored model.
+
+    Pass the model's `regions` when they are already found, to skip a second analysis.
+    """
     rows = []
-    for region in annotated_regions(model):
+    for region in regions if regions is not None else annotated_regions(model):
         meta = region.add.metadata_props
         if SCORE_KEY in meta:
             rows.append({"layer": region.layer, "kind": region.kind, **json.loads(meta[SCORE_KEY])})

@@ -30,6 +30,12 @@ def region_score(region: ResidualRegion) -> dict | None:
     return json.loads(text) if text else None
 
 
+def removal_record(region: ResidualRegion, how: str, reason: str, **extra) -> dict:
+    """The `layerdrop.dropped` entry for a region a rewrite removes or bypasses (with what PruneKvCachePass needs)."""
+    return {"kind": region.kind, "layer": region.layer, "how": how, "reason": reason, "score": region_score(region),
+            "kv_inputs": region.kv_inputs, "kv_outputs": region.kv_outputs, **extra}
+
+
 def expand_targets(regions: list[ResidualRegion], targets: Iterable[tuple[str, int]]) -> list[ResidualRegion]:
     """Resolve (kind, layer) targets, kind in attn/mlp/block, into regions in graph order.
 
@@ -84,17 +90,7 @@ class DropBranchesPass(ir.passes.InPlacePass):
         chosen = expand_targets(regions, self.targets)
         history = removed_modules(model)
         for region in chosen:
-            history.append(
-                {
-                    "kind": region.kind,
-                    "layer": region.layer,
-                    "how": "drop",
-                    "reason": self.reason,
-                    "score": region_score(region),
-                    "kv_inputs": region.kv_inputs,
-                    "kv_outputs": region.kv_outputs,
-                }
-            )
+            history.append(removal_record(region, "drop", self.reason))
             region.add.metadata_props.pop(REGION_KEY, None)
         bypass(chosen)
         model.metadata_props[DROPPED_KEY] = json.dumps(history, sort_keys=True)

@@ -15,7 +15,7 @@ import numpy as np
 import onnx_ir as ir
 
 from layerdrop.errors import LayerdropError
-from layerdrop.passes.drop_branches import DROPPED_KEY, bypass, region_score, removed_modules
+from layerdrop.passes.drop_branches import DROPPED_KEY, bypass, removal_record, removed_modules
 from layerdrop.passes.find_residuals import PROJECTION_OPS, REGION_KEY, ResidualRegion, annotated_regions
 
 
@@ -175,9 +175,7 @@ class HarpBypassPass(ir.passes.InPlacePass):
         removed = []
         for layer in sorted(self.alphas, reverse=True):
             region, alpha = regions[layer], self.alphas[layer]
-            history.append({"kind": "attn", "layer": layer, "how": "harp", "alpha": alpha,
-                            "score": region_score(region), "kv_inputs": region.kv_inputs,
-                            "kv_outputs": region.kv_outputs, "reason": "harp"})
+            history.append(removal_record(region, "harp", "harp", alpha=alpha))
             if alpha == 0:
                 region.add.metadata_props.pop(REGION_KEY, None)
                 removed.append(region)

@@ -21,7 +21,6 @@ from tqdm import tqdm
 from layerdrop.errors import LayerdropError
 from layerdrop.model_folder import copy_model
 from layerdrop.passes.cleanup import run_passes
-from layerdrop.passes.drop_branches import DropBranchesPass
 from layerdrop.passes.find_residuals import find_residual_regions
 from layerdrop.passes.harp_bypass import HarpBypassPass
 from layerdrop.runtime.evaluate import perplexity
@@ -52,22 +51,17 @@ def hidden_states_at(model: ir.Model, folder: Path, windows: np.ndarray, layers:
     return {layer: np.concatenate(parts[name]) for layer, name in zip(layers, names)}
 
 
-def suffix_model(model: ir.Model, start_layer: int, moves: dict[int, float | str], drops: list[tuple[str, int]]
-                 ) -> ir.Model:
+def suffix_model(model: ir.Model, start_layer: int, moves: dict[int, float | str]) -> ir.Model:
     """A copy of `model` that starts at the attention of `start_layer` (input `layerdrop_hidden`) and returns
-    logits, with `moves` (layer -> alpha or an input name) bypassed by HARP and `drops` removed."""
+    logits, with `moves` (layer -> alpha, or the name of an alpha input) bypassed by HARP."""
     copy = copy_model(model)
     # The hidden state entering `start_layer`, found before any rewrite: it survives them all, even when the
     # layer's own attention is removed (alpha 0).
     entry = next((r.skip for r in find_residual_regions(copy.graph) if r.layer == start_layer), None)
     if entry is None:
         raise LayerdropError(f"layer {start_layer} has no residual region to start a suffix graph from")
-    passes = []
-    if drops:
-        passes.append(DropBranchesPass(drops, reason="search"))
     if moves:
-        passes.append(HarpBypassPass(moves))
-    run_passes(copy, passes)
+        run_passes(copy, [HarpBypassPass(moves)])
     hidden = ir.Value(name=HIDDEN_INPUT, shape=entry.shape, type=entry.type)
     entry.replace_all_uses_with(hidden)
     copy.graph.inputs.append(hidden)
@@ -76,6 +70,39 @@ def suffix_model(model: ir.Model, start_layer: int, moves: dict[int, float | str
     copy.graph.outputs.append(logits)
     RemoveUnusedNodesPass()(copy)
     return copy
+
+
+def suffix_perplexity(model: ir.Model, folder: Path, windows: np.ndarray, hidden: dict[int, np.ndarray],
+                      moves: dict[int, float], **session_args) -> float:
+    """Perplexity with `moves` applied, run from the cached hidden state entering the lowest changed layer."""
+    start = min(moves)
+    session = make_session(suffix_model(model, start, dict(moves)), folder=folder, **session_args)
+    states = hidden[start]
+    return perplexity(session, windows, feed_extra=lambda rows: {HIDDEN_INPUT: states[rows]}).perplexity
+
+
+def alpha_sweep(model: ir.Model, folder: Path, windows: np.ndarray, hidden: dict[int, np.ndarray],
+                fixed: dict[int, float], layer: int, *, grid: tuple[float, ...] = ALPHA_GRID,
+                on_value: Callable[[float, float], None] | None = None, **session_args) -> dict[float, float]:
+    """Perplexity for each alpha of `layer` with the `fixed` bypasses kept: one suffix session from the lowest
+    changed layer (its hidden state taken from `hidden`), alpha fed as an input."""
+    moves: dict[int, float | str] = {**fixed, layer: ALPHA_INPUT}
+    start = min(moves)
+    session = make_session(suffix_model(model, start, moves), folder=folder, **session_args)
+    states = hidden[start]
+    results: dict[float, float] = {}
+    for alpha in grid:
+        value = np.asarray(alpha, dtype=np.float32)
+        results[alpha] = perplexity(session, windows, feed_extra=lambda rows, a=value: {
+            HIDDEN_INPUT: states[rows], ALPHA_INPUT: a}).perplexity
+        if on_value:
+            on_value(alpha, results[alpha])
+    return results
+
+
+def best_alpha(sweep: dict[float, float]) -> float:
+    """The alpha with the lowest perplexity (the smaller alpha on a tie)."""
+    return min(sweep, key=lambda alpha: (sweep[alpha], alpha))
 
 
 @dataclass
@@ -92,40 +119,27 @@ def greedy_alpha_search(
     windows: np.ndarray,
     layers: list[int],
     *,
-    fixed: dict[int, float] | None = None,
     grid: tuple[float, ...] = ALPHA_GRID,
     progress: bool = True,
-    on_trial: Callable[[dict], None] | None = None,
     **session_args,
 ) -> SearchResult:
     """Choose an alpha for each of `layers`, in the order given (top-down for HARP), by held-out perplexity.
 
     Args:
-        fixed: layers already bypassed with known alphas (kept while searching).
         windows: token windows [n, seq] of held-out text.
     """
     result = SearchResult()
-    chosen = dict(fixed or {})
     hidden = hidden_states_at(model, folder, windows, list(layers), **session_args)
     bar = tqdm(total=len(layers) * len(grid), desc="alpha search", unit="try", disable=not progress, leave=False)
     for layer in layers:
-        moves: dict[int, float | str] = {**chosen, layer: ALPHA_INPUT}
-        session = make_session(suffix_model(model, layer, moves, []), folder=folder, **session_args)
-        best = None
-        states = hidden[layer]
-        for alpha in grid:
-            value = np.asarray(alpha, dtype=np.float32)
-            ppl = perplexity(session, windows,
-                             feed_extra=lambda rows, a=value, h=states: {HIDDEN_INPUT: h[rows], ALPHA_INPUT: a})
-            trial = {"layer": layer, "alpha": alpha, "perplexity": ppl.perplexity}
-            result.trials.append(trial)
-            if on_trial:
-                on_trial(trial)
-            if best is None or ppl.perplexity < best[1]:
-                best = (alpha, ppl.perplexity)
-            bar.set_postfix(layer=layer, best=f"{best[1]:.2f}@{best[0]}")
+        def tried(alpha: float, value: float, layer: int = layer) -> None:
+            result.trials.append({"layer": layer, "alpha": alpha, "perplexity": value})
+            best = min(t["perplexity"] for t in result.trials if t["layer"] == layer)
+            bar.set_postfix(layer=layer, best=f"{best:.2f}")
             bar.update()
-        chosen[layer] = best[0]
-        result.alphas[layer] = best[0]
+
+        sweep = alpha_sweep(model, folder, windows, hidden, result.alphas, layer, grid=grid, on_value=tried,
+                            **session_args)
+        result.alphas[layer] = best_alpha(sweep)
     bar.close()
     return result

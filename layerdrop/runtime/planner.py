@@ -12,7 +12,6 @@ unmodified model, so a candidate costs only the layers above it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,15 +20,12 @@ import onnx_ir as ir
 from tqdm import tqdm
 
 from layerdrop.runtime.alpha_search import (
-    ALPHA_GRID,
-    ALPHA_INPUT,
-    HIDDEN_INPUT,
+    alpha_sweep,
+    best_alpha,
     greedy_alpha_search,
     hidden_states_at,
-    suffix_model,
+    suffix_perplexity,
 )
-from layerdrop.runtime.evaluate import perplexity
-from layerdrop.runtime.session import make_session
 
 
 @dataclass
@@ -42,7 +38,7 @@ class Plan:
 
 
 class _Evaluator:
-    """Perplexity of the model with a set of bypasses, from cached hidden states (one session per move set)."""
+    """Perplexities of move sets from cached hidden states, with a progress bar showing the best so far."""
 
     def __init__(self, model: ir.Model, folder: Path, windows: np.ndarray, layers: list[int], progress: bool,
                  session_args: dict) -> None:
@@ -51,37 +47,21 @@ class _Evaluator:
         self.hidden = hidden_states_at(model, folder, windows, sorted(layers), **session_args)
         self.bar = tqdm(desc="plan", unit="eval", disable=not progress, leave=False)
         self.best = float("inf")
-        self.count = 0
 
-    def __call__(self, alphas: dict[int, float]) -> float:
-        start = min(alphas)
-        session = make_session(suffix_model(self.model, start, dict(alphas), []), folder=self.folder,
-                               **self.session_args)
-        states = self.hidden[start]
-        value = perplexity(session, self.windows, feed_extra=lambda rows: {HIDDEN_INPUT: states[rows]}).perplexity
-        self.count += 1
+    def _tick(self, value: float) -> None:
         self.best = min(self.best, value)
         self.bar.update()
         self.bar.set_postfix(best=f"{self.best:.2f}")
+
+    def __call__(self, alphas: dict[int, float]) -> float:
+        value = suffix_perplexity(self.model, self.folder, self.windows, self.hidden, alphas, **self.session_args)
+        self._tick(value)
         return value
 
     def alpha_sweep(self, fixed: dict[int, float], layer: int) -> dict[float, float]:
         """Perplexity for each alpha of `layer`, with `fixed` bypasses kept (one session, alpha as an input)."""
-        moves: dict[int, float | str] = {**fixed, layer: ALPHA_INPUT}
-        start = min(moves)
-        session = make_session(suffix_model(self.model, start, moves, []), folder=self.folder, **self.session_args)
-        states = self.hidden[start]
-        results = {}
-        for alpha in ALPHA_GRID:
-            a = np.asarray(alpha, dtype=np.float32)
-            results[alpha] = perplexity(session, self.windows,
-                                        feed_extra=lambda rows, a=a: {HIDDEN_INPUT: states[rows], ALPHA_INPUT: a}
-                                        ).perplexity
-            self.count += 1
-            self.best = min(self.best, results[alpha])
-            self.bar.update()
-            self.bar.set_postfix(best=f"{self.best:.2f}")
-        return results
+        return alpha_sweep(self.model, self.folder, self.windows, self.hidden, fixed, layer,
+                           on_value=lambda _, value: self._tick(value), **self.session_args)
 
 
 def plan_attention(
@@ -93,7 +73,6 @@ def plan_attention(
     *,
     extra: int = 4,
     progress: bool = True,
-    on_step: Callable[[str], None] | None = None,
     **session_args,
 ) -> Plan:
     """Choose `budget` attention layers and their alphas (see module docstring).
@@ -109,10 +88,8 @@ def plan_attention(
     solo: dict[int, float] = {}
     for layer in pool:
         sweep = evaluate.alpha_sweep({}, layer)
-        solo[layer] = min(sweep, key=lambda a: (sweep[a], a))
+        solo[layer] = best_alpha(sweep)
         log.append({"stage": "solo", "layer": layer, "alpha": solo[layer], "perplexity": sweep[solo[layer]]})
-    if on_step:
-        on_step(f"solo alphas: {solo}")
 
     chosen: dict[int, float] = {}
     current = float("inf")
@@ -122,14 +99,12 @@ def plan_attention(
         chosen[layer] = solo[layer]
         current = trials[layer]
         log.append({"stage": "greedy", "layer": layer, "alpha": solo[layer], "perplexity": current})
-        if on_step:
-            on_step(f"greedy: + layer {layer} (alpha {solo[layer]}) -> {current:.3f}")
 
     refined = dict(chosen)
     for layer in sorted(chosen, reverse=True):
         others = {k: v for k, v in refined.items() if k != layer}
         sweep = evaluate.alpha_sweep(others, layer)
-        best = min(sweep, key=lambda a: (sweep[a], a))
+        best = best_alpha(sweep)
         if sweep[best] < current:
             refined[layer], current = best, sweep[best]
         log.append({"stage": "refine", "layer": layer, "alpha": refined[layer], "perplexity": current})
