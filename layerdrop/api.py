@@ -28,19 +28,10 @@ DEFAULT_SEQ_LEN = 256
 KINDS = ("attn", "mlp", "block")
 
 
-def model_config(folder: Path) -> dict:
-    """The Hugging Face config.json saved beside the graph ({} when there is none)."""
-    path = Path(folder) / "config.json"
-    try:
-        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise LayerdropError(f"{path} is not valid JSON; fix or remove it") from None
-
-
 def windows_for(folder: Path, text: Path | None, *, part: str, samples: int | None, seq_len: int,
                 from_end: bool = False) -> Windows:
     """Packed windows of `text` (default: the bundled `part` text) with the folder's tokenizer."""
-    limit = model_config(folder).get("max_position_embeddings")
+    limit = model_folder.config(folder).get("max_position_embeddings")
     return pack_windows(folder, Path(text) if text else bundled_text(part), seq_len=seq_len, samples=samples,
                         max_positions=limit, from_end=from_end)
 
@@ -314,6 +305,105 @@ def evaluate(
     return {"perplexity": result.perplexity, "nll": result.nll, "tokens": result.tokens, "text": windows.source}
 
 
+def harness(
+    model_path: Path,
+    tasks: list[str],
+    *,
+    limit: float | None = None,
+    include_path: Path | None = None,
+    num_fewshot: int | None = None,
+    batch_size: int = 8,
+    provider: str = "cpu",
+    show: int = 3,
+    progress: bool = True,
+) -> dict:
+    """lm-evaluation-harness tasks on a model folder through ONNX Runtime (needs the `eval` extra).
+
+    Returns:
+        {"scores": {task: {metric: (value, stderr)}}, "generations": {task: [{"prompt", "target", "output"}]}}
+        with the first `show` generation samples of each generate_until task.
+
+    Raises:
+        LayerdropError: lm-eval is missing, a task name is unknown, or a task's data cannot be loaded.
+    """
+    try:
+        from lm_eval import evaluator
+        from lm_eval.tasks import TaskManager
+    except ImportError:
+        raise LayerdropError("--tasks needs lm-eval; install the eval extra: pip install -e '.[eval]'") from None
+    from layerdrop.runtime.harness import LayerdropLM
+
+    if include_path is not None and not Path(include_path).is_dir():
+        raise LayerdropError(f"--include-path {include_path} is not a folder of task YAML files")
+    manager = TaskManager(verbosity="ERROR", include_path=str(include_path) if include_path else None)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        raise LayerdropError(f"unknown lm-eval task(s): {', '.join(unknown)}; `lm_eval ls tasks` lists them, and "
+                             "--include-path adds a folder of your own task YAML files")
+    model = LayerdropLM(path=str(model_path), provider=provider, batch_size=batch_size, progress=progress)
+    try:
+        raw = evaluator.simple_evaluate(model=model, tasks=list(tasks), task_manager=manager, limit=limit,
+                                        num_fewshot=num_fewshot, log_samples=show > 0, verbosity="ERROR")
+    except (ConnectionError, OSError) as exc:
+        raise LayerdropError(f"task data could not be loaded ({type(exc).__name__}: {str(exc)[:200]}); the "
+                             "standard tasks download their datasets from the Hugging Face Hub, so this needs a "
+                             "network") from None
+    scores: dict[str, dict[str, tuple[float, float | None]]] = {}
+    for task, metrics in raw["results"].items():
+        for key, value in metrics.items():
+            if "," not in key or "_stderr" in key or not isinstance(value, (int, float)):
+                continue
+            metric, filt = key.split(",", 1)
+            stderr = metrics.get(f"{metric}_stderr,{filt}")
+            scores.setdefault(task, {})[metric] = (float(value), float(stderr) if isinstance(stderr, (int, float))
+                                                   else None)
+    generations: dict[str, list[dict]] = {}
+    for task, samples in (raw.get("samples") or {}).items():
+        if raw["configs"].get(task, {}).get("output_type") != "generate_until":
+            continue
+        first = sorted(samples, key=lambda s: s["doc_id"])[:show]
+        generations[task] = [{"prompt": s["arguments"][0][0], "target": str(s["target"]),
+                              "output": s["filtered_resps"][0]} for s in first]
+    return {"scores": scores, "generations": generations}
+
+
+def harness_table(names: list[str], results: list[dict]) -> tuple[str, list[dict]]:
+    """Task scores of one or two models side by side (with the difference), as text and as rows."""
+    rows = []
+    for task in sorted(results[0]["scores"]):
+        for metric, _ in sorted(results[0]["scores"][task].items()):
+            values = [r["scores"].get(task, {}).get(metric, (float("nan"), None)) for r in results]
+            row = {"task": task, "metric": metric, "scores": [v for v, _ in values],
+                   "stderr": [e for _, e in values]}
+            if len(results) == 2:
+                row["difference"] = values[1][0] - values[0][0]
+            rows.append(row)
+
+    def number(value: float) -> str:
+        return f"{value:.4f}" if abs(value) < 1e4 else f"{value:.4e}"
+
+    def cell(value: float, stderr: float | None) -> str:
+        return f"{number(value)} ± {number(stderr)}" if stderr is not None else number(value)
+
+    labels = ["base", "vs"][: len(names)] if len(names) == 2 else ["score"]
+    lines = [f"{label}: {name}" for label, name in zip(labels, names)] + [""]
+    header = f"{'task':<20} {'metric':<16} " + " ".join(f"{label:>24}" for label in labels)
+    header += f" {'difference (vs - base)':>23}" if len(results) == 2 else ""
+    lines.append(header)
+    for row in rows:
+        line = f"{row['task']:<20} {row['metric']:<16} " + " ".join(
+            f"{cell(v, e):>24}" for v, e in zip(row["scores"], row["stderr"]))
+        lines.append(line + (f" {row['difference']:>+23.4f}" if "difference" in row else ""))
+    for task in sorted(results[0]["generations"]):
+        lines.append(f"\ngenerations, {task} (first {len(results[0]['generations'][task])}):")
+        for index, sample in enumerate(results[0]["generations"][task]):
+            lines.append(f"  [{index}] prompt: ...{sample['prompt'][-60:]!r}   target: {sample['target'][:40]!r}")
+            for label, result in zip(labels, results):
+                output = result["generations"][task][index]["output"]
+                lines.append(f"      {label:>6}: {output[:100]!r}")
+    return "\n".join(lines), rows
+
+
 def generate_text(model_path: Path, prompt: str, max_new_tokens: int, *, provider: str = "cpu") -> str:
     """Greedy continuation of `prompt` (tokenized with the folder's tokenizer), decoded back to text."""
     from layerdrop.runtime.generate import greedy_generate
@@ -325,7 +415,7 @@ def generate_text(model_path: Path, prompt: str, max_new_tokens: int, *, provide
     ids = tokenizer.encode(prompt, add_special_tokens=False).ids
     if not ids:
         raise LayerdropError("--prompt is empty after tokenization; give some text")
-    eos = model_config(folder.path).get("eos_token_id")
+    eos = model_folder.config(folder.path).get("eos_token_id")
     tokens, _ = greedy_generate(make_session(folder.onnx_path, provider=provider), np.array([ids]), max_new_tokens,
                                 eos_token_id=eos if isinstance(eos, int) else None)
     return tokenizer.decode(tokens)

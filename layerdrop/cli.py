@@ -99,9 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text", type=Path, default=None, help="UTF-8 evaluation text (default: the bundled text)")
     p.add_argument("--samples", type=parse_count, default=32)
     p.add_argument("--seq-len", type=parse_count, default=256)
-    p.add_argument("--batch", type=parse_count, default=1)
+    p.add_argument("--batch", type=parse_count, default=None, help="sequences per run (default 1; 8 with --tasks)")
     p.add_argument("--prompt", help="also show greedy generations for this prompt (uses the KV cache)")
     p.add_argument("--max-new-tokens", type=parse_count, default=32)
+    p.add_argument("--tasks", help="lm-evaluation-harness tasks instead of perplexity, e.g. hellaswag,arc_easy "
+                   "(needs the eval extra)")
+    p.add_argument("--limit", type=float, help="with --tasks: at most this many examples per task (or a fraction)")
+    p.add_argument("--num-fewshot", type=int, help="with --tasks: few-shot examples per prompt")
+    p.add_argument("--include-path", type=Path, help="with --tasks: a folder of your own task YAML files")
     p.add_argument("--json", type=Path)
     _common(p)
 
@@ -281,9 +286,12 @@ def _print_fusions(counts: dict[str, int], asked: bool) -> None:
 def cmd_eval(args) -> int:
     from layerdrop import api
 
+    if args.tasks:
+        return _eval_tasks(args)
     folders = [args.model] + ([args.vs] if args.vs else [])
-    results = [api.evaluate(f, text=args.text, samples=args.samples, seq_len=args.seq_len, batch_size=args.batch,
-                            provider=args.provider, threads=args.threads, progress=_progress(args)) for f in folders]
+    results = [api.evaluate(f, text=args.text, samples=args.samples, seq_len=args.seq_len,
+                            batch_size=args.batch or 1, provider=args.provider, threads=args.threads,
+                            progress=_progress(args)) for f in folders]
     for folder, result in zip(folders, results):
         print(f"{str(folder):<40} perplexity {result['perplexity']:9.3f}   ({result['tokens']} predicted tokens of "
               f"{result['text']['file']})")
@@ -298,6 +306,28 @@ def cmd_eval(args) -> int:
             print(f"--- {folder}\n{args.prompt}{text}")
     if args.json:
         api.write_json(report, args.json)
+    return 0
+
+
+def _eval_tasks(args) -> int:
+    from layerdrop import api
+
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise LayerdropError("--tasks is empty; name lm-eval tasks, e.g. --tasks hellaswag,arc_easy")
+    if _OFFLINE_BY_DEFAULT:
+        os.environ.pop("HF_HUB_OFFLINE", None)  # the standard tasks download their data unless the user said not to
+    folders = [args.model] + ([args.vs] if args.vs else [])
+    for folder in folders:
+        model_folder.load(folder)  # both folders are checked before minutes of evaluation
+    results = [api.harness(f, tasks, limit=args.limit, include_path=args.include_path, num_fewshot=args.num_fewshot,
+                           batch_size=args.batch or 8, provider=args.provider,
+                           progress=_progress(args)) for f in folders]
+    text, rows = api.harness_table([str(f) for f in folders], results)
+    print(text)
+    if args.json:
+        api.write_json({"models": [str(f) for f in folders], "tasks": rows,
+                        "generations": [r["generations"] for r in results]}, args.json)
     return 0
 
 
@@ -382,12 +412,16 @@ def plan_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+_OFFLINE_BY_DEFAULT = False
+
 COMMANDS = {"export": cmd_export, "score": cmd_score, "inspect": cmd_inspect, "drop": cmd_drop, "harp": cmd_harp,
             "eval": cmd_eval, "bench": cmd_bench, "check": cmd_check, "pipeline": cmd_pipeline, "plan": cmd_plan}
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `layerdrop` console command; returns the exit code."""
+    global _OFFLINE_BY_DEFAULT
+    _OFFLINE_BY_DEFAULT = "HF_HUB_OFFLINE" not in os.environ
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     parser = build_parser()
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])

@@ -7,6 +7,7 @@ a temporary name next to the destination and renames it into place, so no partia
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import tempfile
@@ -32,6 +33,15 @@ class ModelFolder:
     @property
     def tokenizer_json(self) -> Path:
         return self.path / "tokenizer.json"
+
+
+def config(folder: Path) -> dict:
+    """The Hugging Face config.json saved beside the graph ({} when there is none)."""
+    path = Path(folder) / "config.json"
+    try:
+        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise LayerdropError(f"{path} is not valid JSON; fix or remove it") from None
 
 
 def resolve(path: Path | str) -> ModelFolder:

@@ -1,6 +1,8 @@
-"""Greedy decoding through ONNX Runtime, with the KV cache when the graph has one."""
+"""Greedy decoding through ONNX Runtime, with the KV cache when the graph has one, one prompt or a left-padded batch."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import onnxruntime as ort
@@ -12,6 +14,72 @@ def _present_to_past(name: str) -> str:
     return "past_key_values." + name.removeprefix("present.")
 
 
+def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids [batch, longest] padded on the left with `pad_id`, and the mask that excludes the padding."""
+    longest = max(len(s) for s in sequences)
+    ids = np.full((len(sequences), longest), pad_id, dtype=np.int64)
+    mask = np.zeros_like(ids)
+    for row, sequence in enumerate(sequences):
+        if sequence:
+            ids[row, longest - len(sequence):] = sequence
+            mask[row, longest - len(sequence):] = 1
+    return ids, mask
+
+
+def greedy_batch(
+    session: ort.InferenceSession,
+    ids: np.ndarray,
+    mask: np.ndarray,
+    max_new_tokens: int,
+    *,
+    finished: Callable[[int, list[int]], bool] | None = None,
+    keep_logits: bool = False,
+) -> tuple[list[list[int]], list[list[np.ndarray]]]:
+    """Greedily extend a left-padded batch (`ids`, `mask` [batch, seq]); padding is excluded by the mask.
+
+    `finished(row, new_tokens)` says when a row may stop (an end token, a stop string); decoding ends when every row
+    has stopped or after `max_new_tokens`. A stopped row keeps being fed (its tokens are ignored) so the batch stays
+    rectangular.
+
+    Returns:
+        Each row's new tokens and, with `keep_logits`, the float32 logits each token was chosen from.
+    """
+    output_names = [o.name for o in session.get_outputs()]
+    input_names = {i.name for i in session.get_inputs()}
+    kv = is_kv_graph(session)
+    ids = np.asarray(ids, dtype=np.int64)
+    mask = np.asarray(mask, dtype=np.int64)
+    batch = ids.shape[0]
+    new: list[list[int]] = [[] for _ in range(batch)]
+    chosen_logits: list[list[np.ndarray]] = [[] for _ in range(batch)]
+    done = [False] * batch
+    feed = prefill_feed(session, ids, mask)
+    for _ in range(max_new_tokens):
+        outputs = dict(zip(output_names, session.run(output_names, feed)))
+        last = outputs["logits"][:, -1]
+        tokens = np.argmax(last, axis=-1).astype(np.int64)
+        for row in range(batch):
+            if done[row]:
+                continue
+            new[row].append(int(tokens[row]))
+            if keep_logits:
+                chosen_logits[row].append(last[row])
+            done[row] = finished(row, new[row]) if finished else False
+        if all(done):
+            break
+        ids = np.concatenate([ids, tokens[:, None]], axis=1)
+        mask = np.concatenate([mask, np.ones((batch, 1), dtype=np.int64)], axis=1)
+        if kv:
+            feed = {_present_to_past(n): v for n, v in outputs.items() if n.startswith("present.")}
+            feed["input_ids"] = tokens[:, None]
+            feed["attention_mask"] = mask
+            if "position_ids" in input_names:
+                feed["position_ids"] = mask.sum(axis=1, keepdims=True) - 1
+        else:
+            feed = prefill_feed(session, ids, mask)
+    return new, chosen_logits
+
+
 def greedy_generate(
     session: ort.InferenceSession, prompt: np.ndarray, max_new_tokens: int, eos_token_id: int | None = None
 ) -> tuple[list[int], list[np.ndarray]]:
@@ -20,29 +88,11 @@ def greedy_generate(
     Returns:
         The new tokens and the logits each was chosen from (float32, vocab-sized).
     """
-    output_names = [o.name for o in session.get_outputs()]
-    sequence = [int(t) for t in np.asarray(prompt).reshape(-1)]
-    tokens: list[int] = []
-    step_logits: list[np.ndarray] = []
-    kv = is_kv_graph(session)
-    feed = prefill_feed(session, np.array([sequence]))
-    for _ in range(max_new_tokens):
-        outputs = dict(zip(output_names, session.run(output_names, feed)))
-        last = outputs["logits"][0, -1]
-        token = int(np.argmax(last))
-        tokens.append(token)
-        step_logits.append(last)
-        sequence.append(token)
-        if eos_token_id is not None and token == eos_token_id:
-            break
-        if kv:
-            feed = {_present_to_past(n): v for n, v in outputs.items() if n.startswith("present.")}
-            ids = np.array([[token]], dtype=np.int64)
-            feed["input_ids"] = ids
-            feed["attention_mask"] = np.ones((1, len(sequence)), dtype=np.int64)
-            names = {i.name for i in session.get_inputs()}
-            if "position_ids" in names:
-                feed["position_ids"] = np.array([[len(sequence) - 1]], dtype=np.int64)
-        else:
-            feed = prefill_feed(session, np.array([sequence]))
-    return tokens, step_logits
+    ids = np.asarray(prompt, dtype=np.int64).reshape(1, -1)
+
+    def finished(_row: int, tokens: list[int]) -> bool:
+        return eos_token_id is not None and tokens[-1] == eos_token_id
+
+    tokens, logits = greedy_batch(session, ids, np.ones_like(ids), max_new_tokens, finished=finished,
+                                  keep_logits=True)
+    return tokens[0], logits[0]

@@ -1,0 +1,209 @@
+"""lm-evaluation-harness model `layerdrop`: a layerdrop model folder run by ONNX Runtime.
+
+`lm_eval --model layerdrop --model_args path=OUTDIR,provider=cpu --tasks ...` finds this class through the startup
+hook in `layerdrop/_lm_eval_hook.py`; `layerdrop eval MODEL --tasks ...` uses it directly. Needs the `eval` extra.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from layerdrop import model_folder
+from layerdrop.errors import LayerdropError
+
+try:
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+except ImportError:  # pragma: no cover - exercised only without the extra
+    raise LayerdropError("lm-eval is not installed; install the eval extra: pip install -e '.[eval]'") from None
+from tqdm import tqdm
+
+from layerdrop.runtime.feeds import prefill_feed
+from layerdrop.runtime.generate import greedy_batch, left_pad
+from layerdrop.runtime.session import make_session
+from layerdrop.runtime.text import load_tokenizer
+
+DEFAULT_MAX_LENGTH = 2048
+DEFAULT_BATCH = 8
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """log-softmax over the last axis, in float64."""
+    shifted = logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def _batch_size(value) -> int:
+    if value in (None, "auto") or str(value).startswith("auto"):
+        return DEFAULT_BATCH
+    try:
+        size = int(value)
+    except (TypeError, ValueError):
+        raise LayerdropError(f"batch_size must be a positive integer or 'auto', not {value!r}") from None
+    if size < 1:
+        raise LayerdropError(f"batch_size must be a positive integer or 'auto', not {value!r}")
+    return size
+
+
+class LayerdropLM(TemplateLM):
+    """A layerdrop model folder (model.onnx, its weights, tokenizer.json, config.json) as an lm-eval model.
+
+    Log-likelihoods come from left-padded batches with the padding excluded by the attention mask; generation is
+    greedy and uses the KV cache when the graph has one.
+    """
+
+    def __init__(
+        self,
+        path: str | None = None,
+        pretrained: str | None = None,
+        provider: str | None = None,
+        device: str | None = None,
+        batch_size: int | str | None = None,
+        max_batch_size: int | None = None,
+        max_length: int | None = None,
+        max_gen_toks: int = 256,
+        add_bos_token: bool = False,
+        threads: int | None = None,
+        progress: bool = True,
+        **_ignored,
+    ) -> None:
+        super().__init__()
+        path = path or pretrained
+        if not path:
+            raise LayerdropError("give the model folder: --model_args path=OUTDIR")
+        self.folder = model_folder.resolve(Path(path))
+        model_folder.load(self.folder.path)  # validates the graph and its external data with clear errors
+        if provider is None:
+            provider = "cuda" if device and str(device).startswith("cuda") else "cpu"
+        self.session = make_session(self.folder.onnx_path, provider=provider,
+                                    threads=int(threads) if threads else None)
+        self.tokenizer = load_tokenizer(self.folder.path)
+        config = model_folder.config(self.folder.path)
+        eos = config.get("eos_token_id")
+        eos = eos[0] if isinstance(eos, list) and eos else eos
+        if not isinstance(eos, int):
+            raise LayerdropError(f"{self.folder.path}/config.json has no eos_token_id; add it")
+        self._eot = eos
+        self._pad = config.get("pad_token_id") if isinstance(config.get("pad_token_id"), int) else eos
+        self._max_length = int(max_length or config.get("max_position_embeddings") or DEFAULT_MAX_LENGTH)
+        self._max_gen_toks = int(max_gen_toks)
+        self._batch = _batch_size(batch_size)
+        self.add_bos_token = str(add_bos_token).lower() in ("1", "true", "yes")
+        self.progress = str(progress).lower() not in ("0", "false", "no")
+
+    # -- what TemplateLM asks for ----------------------------------------------------------------------------------
+
+    @property
+    def eot_token_id(self) -> int:
+        return self._eot
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **_kwargs) -> list[int]:
+        special = self.add_bos_token if add_special_tokens is None else add_special_tokens
+        return self.tokenizer.encode(string, add_special_tokens=bool(special)).ids
+
+    def tok_decode(self, tokens: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(tokens), skip_special_tokens=skip_special_tokens)
+
+    def _logits(self, sequences: list[list[int]]) -> np.ndarray:
+        """Logits [batch, longest, vocab] of a left-padded batch (row r's last token is at position -1)."""
+        ids, mask = left_pad(sequences, self._pad)
+        return self.session.run(["logits"], prefill_feed(self.session, ids, mask))[0]
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm or not self.progress)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **_kwargs) -> list[tuple[float, bool]]:
+        """(sum of log p(continuation | context), whether greedy decoding gives the continuation) per request."""
+        disable_tqdm = disable_tqdm or not self.progress
+        inputs = []
+        for _key, context, continuation in requests:
+            if not continuation:
+                raise LayerdropError("a request has an empty continuation; the task's answer text is empty")
+            if len(continuation) > self._max_length:
+                raise LayerdropError(f"an answer is {len(continuation)} tokens, longer than max_length "
+                                     f"{self._max_length}; raise max_length")
+            whole = (context + continuation)[-(self._max_length + 1):]
+            inputs.append(whole[:-1])
+        order = sorted(range(len(requests)), key=lambda i: -len(inputs[i]))  # similar lengths share a batch
+        answers: list[tuple[float, bool] | None] = [None] * len(requests)
+        with tqdm(total=len(order), desc="layerdrop loglikelihood", disable=disable_tqdm) as bar:
+            for start in range(0, len(order), self._batch):
+                chunk = order[start:start + self._batch]
+                logits = self._logits([inputs[i] for i in chunk])
+                for row, index in enumerate(chunk):
+                    key, _context, continuation = requests[index]
+                    scores = log_softmax(logits[row, -len(continuation):])
+                    picked = scores[np.arange(len(continuation)), continuation]
+                    answer = (float(picked.sum()), bool((scores.argmax(axis=-1) == continuation).all()))
+                    answers[index] = answer
+                    if key is not None:
+                        self.cache_hook.add_partial("loglikelihood", key, answer)
+                bar.update(len(chunk))
+        return answers  # type: ignore[return-value]
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Log-likelihood of whole texts, in windows of at most max_length tokens (lm-eval's own windowing)."""
+        results = []
+        disable_tqdm = disable_tqdm or not self.progress
+        for (text,) in tqdm([r.args for r in requests], desc="layerdrop rolling", disable=disable_tqdm):
+            windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
+                token_list=self.tok_encode(text), prefix_token=self.prefix_token_id, max_seq_len=self._max_length,
+                context_len=1)]
+            scores = self._loglikelihood_tokens([(None, c, t) for c, t in windows], disable_tqdm=True)
+            total = sum(s for s, _ in scores)
+            results.append(total)
+            self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
+        return results
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Greedy continuations, cut at the first stop string; batched by identical generation settings."""
+        results: list[str | None] = [None] * len(requests)
+        disable_tqdm = disable_tqdm or not self.progress
+        groups: dict[str, list[int]] = {}
+        for index, request in enumerate(requests):
+            groups.setdefault(repr(sorted(request.args[1].items())), []).append(index)
+        with tqdm(total=len(requests), desc="layerdrop generate", disable=disable_tqdm) as bar:
+            for indices in groups.values():
+                kwargs = dict(requests[indices[0]].args[1])
+                until, steps = self._generation_settings(kwargs)
+                for start in range(0, len(indices), self._batch):
+                    chunk = indices[start:start + self._batch]
+                    for index, text in zip(chunk, self._generate([requests[i].args[0] for i in chunk], until, steps)):
+                        results[index] = text
+                        self.cache_hook.add_partial("generate_until", requests[index].args, text)
+                    bar.update(len(chunk))
+        return results  # type: ignore[return-value]
+
+    def _generation_settings(self, kwargs: dict) -> tuple[list[str], int]:
+        until = kwargs.pop("until", None)
+        until = [until] if isinstance(until, str) else list(until or [])
+        until.append(self.tok_decode([self._eot], skip_special_tokens=False))
+        steps = int(kwargs.pop("max_gen_toks", self._max_gen_toks))
+        if kwargs.pop("do_sample", False) or float(kwargs.pop("temperature", 0.0) or 0.0) > 0:
+            raise LayerdropError("the layerdrop lm-eval model decodes greedily; the task asks for sampling")
+        return [u for u in until if u], steps
+
+    def _generate(self, contexts: list[str], until: list[str], steps: int) -> list[str]:
+        room = max(self._max_length - steps, 1)
+        prompts = [self.tok_encode(c)[-room:] or [self.prefix_token_id] for c in contexts]
+        ids, mask = left_pad(prompts, self._pad)
+
+        def finished(_row: int, tokens: list[int]) -> bool:
+            if tokens[-1] == self._eot:
+                return True
+            text = self.tok_decode(tokens, skip_special_tokens=False)
+            return any(stop in text for stop in until)
+
+        texts = []
+        for tokens in greedy_batch(self.session, ids, mask, steps, finished=finished)[0]:
+            text = self.tok_decode(tokens, skip_special_tokens=False)
+            for stop in until:
+                text = text.split(stop)[0]
+            texts.append(text)
+        return texts
