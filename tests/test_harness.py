@@ -47,7 +47,7 @@ def tasks(tmp_path_factory) -> Path:
     (folder / "gen.yaml").write_text(
         f"task: ld_gen\n{common}dataset_kwargs:\n  data_files:\n    test: {folder / 'gen.jsonl'}\n"
         "output_type: generate_until\ndoc_to_text: '{{question}}'\ndoc_to_target: '{{answer}}'\n"
-        "generation_kwargs:\n  until: ['\\n\\n', '.']\n  max_gen_toks: 12\n  do_sample: false\n"
+        "generation_kwargs:\n  until: [\"\\n\\n\", \".\"]\n  max_gen_toks: 12\n  do_sample: false\n"
         "metric_list:\n  - metric: exact_match\n")
     (folder / "roll.yaml").write_text(
         f"task: ld_roll\n{common}dataset_kwargs:\n  data_files:\n    test: {folder / 'roll.jsonl'}\n"
