@@ -19,6 +19,8 @@ import onnx_ir as ir
 
 from layerdrop.errors import LayerdropError, OutputError
 
+GENAI_CONFIG = "genai_config.json"
+KV_LAYERS_KEY = "layerdrop.kv_layers"  # written by passes.prune_kv_cache: new cache index -> original layer
 MODEL_NAME = "model.onnx"
 DATA_NAME = "model.onnx.data"
 
@@ -35,13 +37,23 @@ class ModelFolder:
         return self.path / "tokenizer.json"
 
 
-def config(folder: Path) -> dict:
-    """The Hugging Face config.json saved beside the graph ({} when there is none)."""
-    path = Path(folder) / "config.json"
+def _json(path: Path) -> dict:
     try:
         return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise LayerdropError(f"{path} is not valid JSON; fix or remove it") from None
+
+
+def config(folder: Path) -> dict:
+    """The Hugging Face config.json saved beside the graph; for an onnxruntime-genai folder without one, the
+    same keys (eos/pad/bos token ids, max_position_embeddings) read from genai_config.json ({} when neither)."""
+    found = _json(Path(folder) / "config.json")
+    if found:
+        return found
+    genai = _json(Path(folder) / GENAI_CONFIG).get("model", {})
+    keys = {"eos_token_id": "eos_token_id", "pad_token_id": "pad_token_id", "bos_token_id": "bos_token_id",
+            "context_length": "max_position_embeddings", "vocab_size": "vocab_size"}
+    return {ours: genai[theirs] for theirs, ours in keys.items() if theirs in genai}
 
 
 def resolve(path: Path | str) -> ModelFolder:
@@ -112,7 +124,57 @@ def load(path: Path | str) -> tuple[ModelFolder, ir.Model]:
         reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
         raise LayerdropError(f"{folder.onnx_path} is a malformed ONNX model: {reason}") from None
     _set_base_dir(model, folder.path)
+    from layerdrop.passes.unfuse_skip_norm import UnfuseSkipNormPass
+
+    UnfuseSkipNormPass()(model)  # residuals hidden in fused skip-norms (onnxruntime-genai builder graphs)
+    _static_cache_dims(model, folder.path)
     return folder, model
+
+
+def _kv_map(model_or_proto) -> list[int] | None:
+    props = model_or_proto.metadata_props
+    value = props.get(KV_LAYERS_KEY) if isinstance(props, dict) else next(
+        (p.value for p in props if p.key == KV_LAYERS_KEY), None)
+    return json.loads(value) if value else None
+
+
+def updated_genai_config(source: ModelFolder, model: ir.Model) -> str:
+    """The source folder's genai_config.json for the rewritten `model`.
+
+    `num_hidden_layers` becomes the number of cache layers the graph keeps (their past/present names are already
+    contiguous, so the `%d` templates hold), and a `sliding_window.layers` list is renumbered the same way.
+    Everything else is kept as it was.
+    """
+    data = _json(source.path / GENAI_CONFIG)
+    decoder = data.get("model", {}).get("decoder")
+    kept = sum(1 for v in model.graph.inputs if (v.name or "").startswith("past_key_values.")
+               and (v.name or "").endswith(".key"))
+    if not isinstance(decoder, dict) or not kept:
+        return json.dumps(data, indent=4)
+    before = decoder.get("num_hidden_layers", kept)
+    source_map = _kv_map(onnx.load(source.onnx_path, load_external_data=False)) or list(range(before))
+    new_map = _kv_map(model) or list(range(kept))
+    decoder["num_hidden_layers"] = kept
+    window = decoder.get("sliding_window")
+    if isinstance(window, dict) and isinstance(window.get("layers"), list):
+        local = {source_map[i] for i in window["layers"] if 0 <= i < len(source_map)}
+        window["layers"] = [new for new, original in enumerate(new_map) if original in local]
+    return json.dumps(data, indent=4)
+
+
+def _static_cache_dims(model: ir.Model, folder: Path) -> None:
+    """Give cache inputs/outputs a static head size from genai_config.json where the graph leaves it symbolic
+    (the builder writes [batch, kv_heads, past, "kv_cache_dim"]); runtimes need it to build an empty cache."""
+    head_size = _json(Path(folder) / GENAI_CONFIG).get("model", {}).get("decoder", {}).get("head_size")
+    if not isinstance(head_size, int):
+        return
+    for value in [*model.graph.inputs, *model.graph.outputs]:
+        name = value.name or ""
+        if (name.startswith("past_key_values.") or name.startswith("present.")) and value.shape is not None \
+                and len(value.shape) == 4 and not isinstance(value.shape[3], int):
+            dims = list(value.shape)
+            dims[3] = head_size
+            value.shape = ir.Shape(dims)
 
 
 def _set_base_dir(model: ir.Model, base_dir: Path) -> None:
@@ -197,7 +259,10 @@ def save(
                 for item in sorted(source.path.iterdir()):
                     if item.is_file() and item.name not in data_files and not item.name.endswith(".data"):
                         shutil.copy2(item, staged / item.name)
-            for name, text in (extra_files or {}).items():
+            extra_files = dict(extra_files or {})
+            if source is not None and (source.path / GENAI_CONFIG).is_file() and GENAI_CONFIG not in extra_files:
+                extra_files[GENAI_CONFIG] = updated_genai_config(source, model)
+            for name, text in extra_files.items():
                 (staged / name).write_text(text, encoding="utf-8")
             ir.save(model, staged / MODEL_NAME, external_data=DATA_NAME)
             publish_folder(staged, out_dir, force=force)

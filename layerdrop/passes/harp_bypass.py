@@ -63,8 +63,54 @@ def _constant_ints(value: ir.Value | None) -> list[int] | None:
     return [int(v) for v in np.asarray(value.const_value.numpy()).reshape(-1)]
 
 
-def _value_projection(region: ResidualRegion) -> tuple[np.ndarray, np.ndarray | None]:
+FUSED_ATTENTION = frozenset({"GroupQueryAttention", "MultiHeadAttention", "Attention"})
+
+
+def _projection_of(value: ir.Value | None, members: set[ir.Node]) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """(weight, bias) of the MatMul (+ constant bias Add) in the branch that produces `value`."""
+    producer = value.producer() if value is not None else None
+    bias = None
+    if producer is not None and producer.op_type == "Add" and producer in members:
+        for index in (0, 1):
+            const = producer.inputs[1 - index]
+            if const is not None and const.const_value is not None and producer.inputs[index].producer() is not None:
+                bias, producer = const.const_value.numpy(), producer.inputs[index].producer()
+                break
+    if producer is None or producer not in members or _weight(producer) is None:
+        return None
+    return _weight(producer), bias
+
+
+def _fused_value_projection(region: ResidualRegion, attention: ir.Node, heads: int, kv_heads: int,
+                            head_dim: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """W_V and its bias for a GroupQueryAttention/MultiHeadAttention op: its value input's projection, or the V
+    columns [q | k | v] of the packed qkv projection that feeds its query input alone."""
+    members = set(region.branch)
+    if attention.op_type == "Attention":
+        raise LayerdropError(f"layer {region.layer}: HARP cannot take V out of a com.microsoft Attention op (its "
+                             "weights are packed inside); export the model with `layerdrop export` or the builder")
+    value = attention.inputs[2] if len(attention.inputs) > 2 else None
+    if value is not None:
+        found = _projection_of(value, members)
+        if found is None:
+            raise LayerdropError(f"cannot find the value projection of attention layer {region.layer}; HARP needs it")
+        return found
+    found = _projection_of(attention.inputs[0], members)
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    if found is None or found[0].shape[1] != q_size + 2 * kv_size:
+        raise LayerdropError(f"layer {region.layer}: the packed qkv projection does not fit {heads} heads / "
+                             f"{kv_heads} KV heads of size {head_dim}; HARP cannot find V")
+    weight, bias = found
+    columns = slice(q_size + kv_size, q_size + 2 * kv_size)
+    return weight[:, columns], None if bias is None else bias[columns]
+
+
+def _value_projection(region: ResidualRegion, heads: int, kv_heads: int,
+                      head_dim: int) -> tuple[np.ndarray, np.ndarray | None]:
     """W_V [d, kv*hd] and its bias, also out of a packed qkv projection (the slice that feeds no Softmax)."""
+    fused = [n for n in region.branch if n.op_type in FUSED_ATTENTION]
+    if fused:
+        return _fused_value_projection(region, fused[0], heads, kv_heads, head_dim)
     members = set(region.branch)
     softmax = {n for n in region.branch if n.op_type == "Softmax"}
     entries = [n for n in region.branch if n.op_type in PROJECTION_OPS and n.inputs[0] is region.norm_output]
@@ -103,22 +149,33 @@ def _output_projection(region: ResidualRegion) -> tuple[ir.Node, ir.Value, np.nd
 
 
 def head_layout(model: ir.Model) -> tuple[int, int, int]:
-    """(query heads, kv heads, head_dim) from the metadata written at export.
+    """(query heads, kv heads, head_dim): from the metadata written at export, else from the attributes of a
+    GroupQueryAttention/MultiHeadAttention op and the width its output projection reads.
 
     Raises:
-        LayerdropError: the model carries no head layout.
+        LayerdropError: neither is there.
     """
     meta = model.metadata_props
     try:
         return int(meta["layerdrop.num_attention_heads"]), int(meta["layerdrop.num_kv_heads"]), int(
             meta["layerdrop.head_dim"])
     except KeyError:
-        raise LayerdropError("the model has no head layout metadata; re-export it with `layerdrop export`") from None
+        pass
+    for node in model.graph:
+        if node.op_type not in ("GroupQueryAttention", "MultiHeadAttention"):
+            continue
+        heads = node.attributes.get_int("num_heads", 0)
+        kv_heads = node.attributes.get_int("kv_num_heads", heads)
+        readers = [use.node for use in node.outputs[0].uses() if _weight(use.node) is not None]
+        if heads and readers:
+            return heads, kv_heads, _weight(readers[0]).shape[0] // heads
+    raise LayerdropError("the model has no head layout (no export metadata, no GroupQueryAttention op); "
+                         "re-export it with `layerdrop export`")
 
 
 def folded_vo(region: ResidualRegion, heads: int, kv_heads: int, head_dim: int):
     """(O-projection node, its output value, W_V' W_O [d, d], folded bias or None)."""
-    w_v, b_v = _value_projection(region)
+    w_v, b_v = _value_projection(region, heads, kv_heads, head_dim)
     o_node, o_out, w_o, b_o = _output_projection(region)
     if w_v.shape[1] != kv_heads * head_dim or w_o.shape[0] != heads * head_dim:
         raise LayerdropError(

@@ -56,6 +56,11 @@ def make_session(
     if provider not in _PROVIDERS:
         raise LayerdropError(f"unknown provider {provider!r}; use cpu, cuda or auto")
     options = _options(threads, profile_prefix, optimize, arena)
+    if not isinstance(model, ir.Model) and (Path(model).parent / "genai_config.json").is_file():
+        from layerdrop import model_folder
+
+        folder, model = model_folder.load(model)  # builder graphs: static cache head size (see model_folder)
+        folder = folder.path
     if isinstance(model, ir.Model):
         if folder is None:
             raise ValueError("an in-memory model needs the folder that holds its external data")
