@@ -178,7 +178,7 @@ HARP_SEARCH_KEY = "layerdrop.harp_search"
 def rewrite_passes(drops: list[tuple[str, int]], alphas: dict[int, float], reason: str, fuse: bool = False
                    ) -> list[ir.passes.PassBase]:
     """The passes that apply drops and HARP bypasses, fold alphas, prune the KV cache and clean up; with `fuse`,
-    ONNX Runtime fusions last of all."""
+    ONNX Runtime fusions last of all (which also restores a builder graph's skip-norms)."""
     from onnxscript.rewriter import RewritePass
 
     passes: list[ir.passes.PassBase] = []
@@ -434,9 +434,17 @@ def kv_bytes_per_token(model: ir.Model) -> int | None:
     return total or None
 
 
+def _genai_family(folder: Path) -> str | None:
+    path = Path(folder) / model_folder.GENAI_CONFIG
+    if not path.is_file():
+        return None
+    kind = model_folder.config_json(path).get("model", {}).get("type")
+    return f"{kind} (onnxruntime-genai builder)" if kind else None
+
+
 def inspect(model_path: Path) -> dict:
     """Describe a model folder: regions with their scores, KV bytes per token, what was removed."""
-    _, model = model_folder.load(model_path)
+    folder, model = model_folder.load(model_path)
     regions = annotated_regions(model)
     scores = {(r["kind"], r["layer"]): r for r in read_scores(model, regions)}
     rows = []
@@ -448,7 +456,7 @@ def inspect(model_path: Path) -> dict:
         rows.append(row)
     blocks = [r for r in scores.values() if r["kind"] == "block"]
     return {
-        "family": model.metadata_props.get("layerdrop.family"),
+        "family": model.metadata_props.get("layerdrop.family") or _genai_family(folder.path),
         "nodes": len(model.graph),
         "regions": rows,
         "blocks": sorted(blocks, key=lambda r: r["layer"]),

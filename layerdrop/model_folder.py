@@ -33,11 +33,12 @@ class ModelFolder:
     onnx_path: Path
 
     @property
-    def tokenizer_json(self) -> Path:
+    def tokenizerconfig_json(self) -> Path:
         return self.path / "tokenizer.json"
 
 
-def _json(path: Path) -> dict:
+def config_json(path: Path) -> dict:
+    """A JSON file of the folder ({} when absent). Raises LayerdropError when it is not valid JSON."""
     try:
         return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     except (UnicodeDecodeError, json.JSONDecodeError):
@@ -47,10 +48,10 @@ def _json(path: Path) -> dict:
 def config(folder: Path) -> dict:
     """The Hugging Face config.json saved beside the graph; for an onnxruntime-genai folder without one, the
     same keys (eos/pad/bos token ids, max_position_embeddings) read from genai_config.json ({} when neither)."""
-    found = _json(Path(folder) / "config.json")
+    found = config_json(Path(folder) / "config.json")
     if found:
         return found
-    genai = _json(Path(folder) / GENAI_CONFIG).get("model", {})
+    genai = config_json(Path(folder) / GENAI_CONFIG).get("model", {})
     keys = {"eos_token_id": "eos_token_id", "pad_token_id": "pad_token_id", "bos_token_id": "bos_token_id",
             "context_length": "max_position_embeddings", "vocab_size": "vocab_size"}
     return {ours: genai[theirs] for theirs, ours in keys.items() if theirs in genai}
@@ -145,7 +146,7 @@ def updated_genai_config(source: ModelFolder, model: ir.Model) -> str:
     contiguous, so the `%d` templates hold), and a `sliding_window.layers` list is renumbered the same way.
     Everything else is kept as it was.
     """
-    data = _json(source.path / GENAI_CONFIG)
+    data = config_json(source.path / GENAI_CONFIG)
     decoder = data.get("model", {}).get("decoder")
     kept = sum(1 for v in model.graph.inputs if (v.name or "").startswith("past_key_values.")
                and (v.name or "").endswith(".key"))
@@ -165,7 +166,7 @@ def updated_genai_config(source: ModelFolder, model: ir.Model) -> str:
 def _static_cache_dims(model: ir.Model, folder: Path) -> None:
     """Give cache inputs/outputs a static head size from genai_config.json where the graph leaves it symbolic
     (the builder writes [batch, kv_heads, past, "kv_cache_dim"]); runtimes need it to build an empty cache."""
-    head_size = _json(Path(folder) / GENAI_CONFIG).get("model", {}).get("decoder", {}).get("head_size")
+    head_size = config_json(Path(folder) / GENAI_CONFIG).get("model", {}).get("decoder", {}).get("head_size")
     if not isinstance(head_size, int):
         return
     for value in [*model.graph.inputs, *model.graph.outputs]:

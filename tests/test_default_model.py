@@ -114,3 +114,26 @@ def test_default_model_drop_matches_torch_identity(smollm2_kv, torch_model, real
         "kv_bytes_per_token"]
     got = ort_logits(tmp_path / "dropped", real_windows[:1])
     np.testing.assert_allclose(got, logits(replaced(torch_model, targets), real_windows[:1]), atol=ATOL, rtol=0)
+
+
+def test_default_model_builder_folder_score_drop_eval_harp_and_genai(smollm2_hf, torch_model, real_windows,
+                                                                     tmp_path):
+    """Issue 7's workflow on the real model: onnxruntime-genai's builder folder -> score -> drop -> eval, and
+    harp; both results match PyTorch and generate in onnxruntime-genai what ONNX Runtime generates."""
+    genai = pytest.importorskip("tests.test_genai", reason="onnxruntime-genai is not installed")
+    built = genai.build(smollm2_hf, tmp_path / "built")
+    api.score(built, tmp_path / "scored", samples=4, seq_len=128, progress=False)
+    dropped = api.drop(tmp_path / "scored", tmp_path / "dropped", counts={"attn": 8})
+    targets = [(row["kind"], row["layer"]) for row in dropped["dropped"]]
+    assert len(targets) == 8 and dropped["kv_layers"] is not None and len(dropped["kv_layers"]) == 22
+    base = api.evaluate(built, samples=4, seq_len=128, progress=False)["perplexity"]
+    pruned = api.evaluate(tmp_path / "dropped", samples=4, seq_len=128, progress=False)["perplexity"]
+    assert base < pruned < 3 * base, (base, pruned)
+    api.harp(tmp_path / "scored", tmp_path / "harp", alphas={29: 0.5, 28: 0.3})
+    prompt = [int(t) for t in real_windows[0, :12]]
+    for out, swap, alphas in ((tmp_path / "dropped", targets, None), (tmp_path / "harp", [], {29: 0.5, 28: 0.3})):
+        reference = logits(replaced(torch_model, swap, alphas), real_windows[:1, :48])
+        np.testing.assert_allclose(ort_logits(out, real_windows[:1, :48]), reference, atol=ATOL, rtol=0)
+        ours, _ = greedy_generate(session(out), np.array([prompt]), 32)
+        theirs = genai.genai_greedy(out, prompt, 32)
+        assert theirs == ours[:len(theirs)] and (len(theirs) == 32 or theirs[-1] == torch_model.config.eos_token_id)

@@ -1,0 +1,192 @@
+"""Issue 7: graphs from onnxruntime-genai's model builder in and out.
+
+The builder's graph (GroupQueryAttention with rotary inside, packed qkv, SkipSimplifiedLayerNormalization) goes
+through scoring, drops and HARP; the result equals PyTorch with the same modules replaced, and onnxruntime-genai
+generates from the rewritten folder exactly what a plain ONNX Runtime session generates.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+import transformers
+
+from layerdrop import api
+from layerdrop.model_folder import resolve, updated_genai_config
+from layerdrop.runtime.feeds import prefill_feed
+from layerdrop.runtime.generate import greedy_generate
+from layerdrop.runtime.session import make_session
+from layerdrop.runtime.text import bundled_text, pack_windows
+from tests.helpers import ort_logits
+from tests.torch_reference import VOCAB, hook_scores, logits, replaced
+
+og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install -e '.[genai]')")
+
+TOL = 1e-4
+CASES = {
+    "attn": ([("attn", 1), ("attn", 3)], None),
+    "mlp": ([("mlp", 0), ("mlp", 2)], None),
+    "block": ([("block", 2)], None),
+    "harp": ([], {3: 0.7, 2: 0.0, 1: 0.4}),
+}
+
+
+def build(hf_folder: Path, out: Path) -> Path:
+    """Run the onnxruntime-genai model builder (fp32, CPU) on a Hugging Face folder."""
+    done = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_folder), "-o",
+                           str(out), "-p", "fp32", "-e", "cpu", "-c", str(out.parent / "builder-cache")],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def torch_model() -> torch.nn.Module:
+    """A tiny Llama whose head size (16) the CPU GroupQueryAttention kernel accepts."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                      tie_word_embeddings=False)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.2)
+    return model
+
+
+@pytest.fixture(scope="module")
+def built(torch_model, tiny_tokenizer_file, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("genai")
+    torch_model.save_pretrained(root / "hf")
+    shutil.copy(tiny_tokenizer_file, root / "hf" / "tokenizer.json")
+    return build(root / "hf", root / "built")
+
+
+def genai_greedy(folder: Path, prompt: list[int], steps: int) -> list[int]:
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + steps, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.array([prompt], dtype=np.int32))
+    tokens: list[int] = []
+    while not generator.is_done() and len(tokens) < steps:
+        generator.generate_next_token()
+        tokens.append(int(generator.get_next_tokens()[0]))
+    return tokens
+
+
+def test_builder_graph_is_the_fused_form(built):
+    ops = [n.op_type for n in onnx.load(str(built / "model.onnx"), load_external_data=False).graph.node]
+    assert ops.count("GroupQueryAttention") == 4 and ops.count("SkipSimplifiedLayerNormalization") == 8
+    assert "Softmax" not in ops and not any(op == "Add" for op in ops)  # every residual is hidden in a skip-norm
+
+
+def test_regions_come_from_structure_not_names(built, tmp_path):
+    regions = api.inspect(built)["regions"]
+    assert sorted((r["kind"], r["layer"]) for r in regions) == sorted(
+        (kind, layer) for kind in ("attn", "mlp") for layer in range(4))
+    anonymous = tmp_path / "anonymous"
+    shutil.copytree(built, anonymous)
+    proto = onnx.load(str(anonymous / "model.onnx"), load_external_data=False)
+    for index, node in enumerate(proto.graph.node):
+        node.name = f"n{(index * 7919) % 1000}"
+    onnx.save(proto, str(anonymous / "model.onnx"))
+    assert api.inspect(anonymous)["regions"] == regions
+
+
+def test_scores_on_builder_graph_equal_torch_hooks(built, torch_model, tmp_path):
+    result = api.score(built, tmp_path / "scored", samples=3, seq_len=24, progress=False)
+    windows = pack_windows(built, bundled_text("calib"), seq_len=24, samples=3).ids
+    reference = hook_scores(torch_model.double(), windows)
+    torch_model.float()
+    for row in result["regions"]:
+        assert row["score"] == pytest.approx(reference[(row["kind"], row["layer"])], abs=1e-5), row
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_rewrite_of_builder_graph_matches_torch_and_runs_in_genai(built, torch_model, case, tmp_path, rng):
+    targets, alphas = CASES[case]
+    out = tmp_path / case
+    if alphas is None:
+        api.drop(built, out, targets=targets)
+    else:
+        api.harp(built, out, alphas=alphas)
+    ids = rng.randint(0, VOCAB, size=(2, 11))
+    reference = logits(replaced(torch_model.double(), targets, alphas), ids)
+    torch_model.float()
+    np.testing.assert_allclose(ort_logits(out, ids), reference, atol=TOL, rtol=0)
+
+    kept = 4 - len({layer for kind, layer in targets if kind in ("attn", "block")}) - len(alphas or {})
+    config = json.loads((out / "genai_config.json").read_text())
+    assert config["model"]["decoder"]["num_hidden_layers"] == kept
+    inputs = [i.name for i in onnx.load(str(out / "model.onnx"), load_external_data=False).graph.input]
+    assert [n for n in inputs if n.endswith(".key")] == [f"past_key_values.{i}.key" for i in range(kept)]
+    original = json.loads((built / "genai_config.json").read_text())
+    del config["model"]["decoder"]["num_hidden_layers"], original["model"]["decoder"]["num_hidden_layers"]
+    assert config == original  # everything else is kept
+
+    prompt = [int(t) for t in rng.randint(3, VOCAB, size=7)]
+    ours, _ = greedy_generate(make_session(out / "model.onnx"), np.array([prompt]), 32)
+    theirs = genai_greedy(out, prompt, 32)
+    assert theirs == ours[:len(theirs)] and len(ours) == 32
+    assert len(theirs) == 32 or theirs[-1] == config["model"]["eos_token_id"]  # genai stops only at the end token
+
+
+def test_sliding_window_layer_list_is_renumbered(built, tmp_path):
+    folder = tmp_path / "windowed"
+    shutil.copytree(built, folder)
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["decoder"]["sliding_window"] = {"window_size": 64, "layers": [0, 2, 3]}
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    out = tmp_path / "dropped"
+    api.drop(folder, out, targets=[("attn", 0), ("attn", 1)])  # cache layers 2, 3 become 0, 1
+    written = json.loads((out / "genai_config.json").read_text())["model"]["decoder"]
+    assert written["sliding_window"] == {"window_size": 64, "layers": [0, 1]} and written["num_hidden_layers"] == 2
+    again = tmp_path / "again"
+    api.drop(out, again, targets=[("attn", 2)])  # original layer 2 (now cache 0) goes as well
+    written = json.loads((again / "genai_config.json").read_text())["model"]["decoder"]
+    assert written["sliding_window"]["layers"] == [0] and written["num_hidden_layers"] == 1
+
+
+def test_unmodified_builder_folder_runs_through_our_runtime(built, torch_model, rng):
+    """The builder leaves the cache head size symbolic; make_session fills it in from genai_config.json."""
+    ids = rng.randint(0, VOCAB, size=(1, 9))
+    reference = logits(torch_model.double(), ids)
+    torch_model.float()
+    session = make_session(built / "model.onnx")
+    np.testing.assert_allclose(session.run(["logits"], prefill_feed(session, ids))[0], reference, atol=TOL, rtol=0)
+    assert api.evaluate(built, samples=2, seq_len=32, progress=False)["perplexity"] > 1
+
+
+def test_genai_config_without_decoder_is_kept(tmp_path, built):
+    folder = tmp_path / "odd"
+    shutil.copytree(built, folder)
+    (folder / "genai_config.json").write_text(json.dumps({"model": {"type": "llama"}}))
+    from layerdrop.model_folder import load
+
+    _, model = load(folder)
+    assert json.loads(updated_genai_config(resolve(folder), model)) == {"model": {"type": "llama"}}
+
+
+def test_fuse_restores_the_builder_form(built, torch_model, tmp_path, rng):
+    out = tmp_path / "fused"
+    api.drop(built, out, targets=[("attn", 2)], fuse=True)
+    ops = [n.op_type for n in onnx.load(str(out / "model.onnx"), load_external_data=False).graph.node]
+    assert ops.count("SkipSimplifiedLayerNormalization") == 7 and ops.count("GroupQueryAttention") == 3
+    ids = rng.randint(0, VOCAB, size=(2, 11))
+    reference = logits(replaced(torch_model.double(), [("attn", 2)]), ids)
+    torch_model.float()
+    np.testing.assert_allclose(ort_logits(out, ids), reference, atol=TOL, rtol=0)
+    prompt = [int(t) for t in rng.randint(3, VOCAB, size=7)]
+    ours, _ = greedy_generate(make_session(out / "model.onnx"), np.array([prompt]), 16)
+    theirs = genai_greedy(out, prompt, 16)
+    assert theirs == ours[:len(theirs)] and len(theirs) > 0
