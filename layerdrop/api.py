@@ -335,7 +335,7 @@ def harness(
 
     if include_path is not None and not Path(include_path).is_dir():
         raise LayerdropError(f"--include-path {include_path} is not a folder of task YAML files")
-    manager = TaskManager(verbosity="ERROR", include_path=str(include_path) if include_path else None)
+    manager = TaskManager(include_path=str(include_path) if include_path else None)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         raise LayerdropError(f"unknown lm-eval task(s): {', '.join(unknown)}; `lm_eval ls tasks` lists them, and "

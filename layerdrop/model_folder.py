@@ -105,8 +105,11 @@ def _check_external_data(proto: onnx.ModelProto, folder: Path) -> None:
             )
 
 
-def load(path: Path | str) -> tuple[ModelFolder, ir.Model]:
+def load(path: Path | str, *, split_skip_norms: bool = True) -> tuple[ModelFolder, ir.Model]:
     """Load a model folder's graph with onnx-ir; weights stay on disk until they are needed.
+
+    Fused skip-norms (onnxruntime-genai builder graphs) are split into Add + norm so the passes see every
+    residual, unless `split_skip_norms` is off (to run the graph as it is).
 
     Raises:
         LayerdropError: missing or unreadable model, external data that is missing, truncated or outside the folder.
@@ -127,7 +130,8 @@ def load(path: Path | str) -> tuple[ModelFolder, ir.Model]:
     _set_base_dir(model, folder.path)
     from layerdrop.passes.unfuse_skip_norm import UnfuseSkipNormPass
 
-    UnfuseSkipNormPass()(model)  # residuals hidden in fused skip-norms (onnxruntime-genai builder graphs)
+    if split_skip_norms:
+        UnfuseSkipNormPass()(model)
     _static_cache_dims(model, folder.path)
     return folder, model
 

@@ -59,7 +59,8 @@ def make_session(
     if not isinstance(model, ir.Model) and (Path(model).parent / "genai_config.json").is_file():
         from layerdrop import model_folder
 
-        folder, model = model_folder.load(model)  # builder graphs: static cache head size (see model_folder)
+        # builder graphs, run as they are but with a static cache head size (see model_folder)
+        folder, model = model_folder.load(model, split_skip_norms=False)
         folder = folder.path
     if isinstance(model, ir.Model):
         if folder is None:
