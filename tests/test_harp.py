@@ -93,3 +93,17 @@ def test_harp_cli_explicit_and_errors(exported, tmp_path, capsys):
         assert main(["harp", src, "-o", str(tmp_path / "b"), *args]) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, (args, err)
+
+
+def test_inspect_and_drop_after_harp_on_a_scored_folder(exported, tmp_path, capsys):
+    """A scored folder keeps its scores through HARP; inspect lists the bypassed layer, and a later drop works."""
+    scored = tmp_path / "scored"
+    api.score(exported("llama", True), scored, samples=2, seq_len=16, progress=False)
+    api.harp(scored, tmp_path / "harp", alphas={3: 0.5})
+    report = api.inspect(tmp_path / "harp")
+    assert [(r["kind"], r["layer"]) for r in report["regions"] if r["layer"] == 3][0] == ("harp", 3)
+    assert main(["inspect", str(tmp_path / "harp")]) == 0
+    assert "attn:3(alpha 0.5)" in capsys.readouterr().out
+    api.drop(tmp_path / "harp", tmp_path / "then-drop", counts={"attn": 1})
+    removed = api.inspect(tmp_path / "then-drop")["removed"]
+    assert [(r["how"], r["layer"]) for r in removed][0] == ("harp", 3) and len(removed) == 2

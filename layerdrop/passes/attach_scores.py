@@ -56,5 +56,5 @@ def read_scores(model: ir.Model, regions: list[ResidualRegion] | None = None) ->
             rows.append({"layer": region.layer, "kind": region.kind, **json.loads(meta[SCORE_KEY])})
         if BLOCK_SCORE_KEY in meta:
             rows.append({"layer": region.layer, "kind": "block", **json.loads(meta[BLOCK_SCORE_KEY])})
-    order = {"attn": 0, "mlp": 1, "block": 2}
+    order = {"attn": 0, "harp": 0, "mlp": 1, "block": 2}
     return sorted(rows, key=lambda r: (r["layer"], order[r["kind"]]))
