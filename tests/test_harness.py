@@ -156,7 +156,7 @@ def test_long_context_is_truncated_like_hf(exported, hf_folder, tasks):
 def test_lm_eval_command_finds_the_layerdrop_model(exported, tasks, tmp_path):
     out = tmp_path / "results"
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-m", "lm_eval", "run", "--model", "layerdrop", "--model_args",
+    done = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "layerdrop", "--model_args",
                            f"path={exported('llama', True)},provider=cpu", "--tasks", "ld_mc",
                            "--include_path", str(tasks), "--limit", "2", "--output_path", str(out)],
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)

@@ -32,7 +32,7 @@ class UnfuseSkipNormPass(ir.passes.InPlacePass):
             if node.op_type not in FUSED or node.domain != "com.microsoft":
                 continue
             for index in (1, 2):
-                if len(node.outputs) > index and node.outputs[index].uses():
+                if len(node.outputs) > index and (node.outputs[index].uses() or node.outputs[index].is_graph_output()):
                     raise LayerdropError(f"{node.name}: output {index} (a training statistic) is used; layerdrop "
                                          "cannot split this skip-norm")
             simplified = node.op_type == "SkipSimplifiedLayerNormalization"
