@@ -22,21 +22,6 @@ from pathlib import Path
 import numpy as np
 
 
-def genai_greedy(folder: Path, prompt: list[int], steps: int) -> list[int]:
-    import onnxruntime_genai as og
-
-    model = og.Model(str(folder))
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(prompt) + steps, do_sample=False)
-    generator = og.Generator(model, params)
-    generator.append_tokens(np.array([prompt], dtype=np.int32))
-    tokens: list[int] = []
-    while not generator.is_done() and len(tokens) < steps:
-        generator.generate_next_token()
-        tokens.append(int(generator.get_next_tokens()[0]))
-    return tokens
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=Path("out/genai"))
@@ -47,6 +32,7 @@ def main() -> None:
     from layerdrop import api
     from layerdrop.export.default_model import default_model_folder
     from layerdrop.runtime.bench import compare
+    from layerdrop.runtime.genai import genai_greedy
     from layerdrop.runtime.generate import greedy_generate
     from layerdrop.runtime.session import make_session
     from layerdrop.runtime.text import load_tokenizer

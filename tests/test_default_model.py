@@ -121,6 +121,7 @@ def test_default_model_builder_folder_score_drop_eval_harp_and_genai(smollm2_hf,
     """Issue 7's workflow on the real model: onnxruntime-genai's builder folder -> score -> drop -> eval, and
     harp; both results match PyTorch and generate in onnxruntime-genai what ONNX Runtime generates."""
     genai = pytest.importorskip("tests.test_genai", reason="onnxruntime-genai is not installed")
+    from layerdrop.runtime.genai import genai_greedy
     built = genai.build(smollm2_hf, tmp_path / "built")
     api.score(built, tmp_path / "scored", samples=4, seq_len=128, progress=False)
     dropped = api.drop(tmp_path / "scored", tmp_path / "dropped", counts={"attn": 8})
@@ -135,5 +136,5 @@ def test_default_model_builder_folder_score_drop_eval_harp_and_genai(smollm2_hf,
         reference = logits(replaced(torch_model, swap, alphas), real_windows[:1, :48])
         np.testing.assert_allclose(ort_logits(out, real_windows[:1, :48]), reference, atol=ATOL, rtol=0)
         ours, _ = greedy_generate(session(out), np.array([prompt]), 32)
-        theirs = genai.genai_greedy(out, prompt, 32)
+        theirs = genai_greedy(out, prompt, 32)
         assert theirs == ours[:len(theirs)] and (len(theirs) == 32 or theirs[-1] == torch_model.config.eos_token_id)

@@ -22,13 +22,14 @@ import transformers
 from layerdrop import api
 from layerdrop.model_folder import resolve, updated_genai_config
 from layerdrop.runtime.feeds import prefill_feed
+from layerdrop.runtime.genai import genai_greedy
 from layerdrop.runtime.generate import greedy_generate
 from layerdrop.runtime.session import make_session
 from layerdrop.runtime.text import bundled_text, pack_windows
 from tests.helpers import ort_logits
 from tests.torch_reference import VOCAB, hook_scores, logits, replaced
 
-og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install -e '.[genai]')")
+pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install -e '.[genai]')")
 
 TOL = 1e-4
 CASES = {
@@ -69,19 +70,6 @@ def built(torch_model, tiny_tokenizer_file, tmp_path_factory) -> Path:
     torch_model.save_pretrained(root / "hf")
     shutil.copy(tiny_tokenizer_file, root / "hf" / "tokenizer.json")
     return build(root / "hf", root / "built")
-
-
-def genai_greedy(folder: Path, prompt: list[int], steps: int) -> list[int]:
-    model = og.Model(str(folder))
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(prompt) + steps, do_sample=False)
-    generator = og.Generator(model, params)
-    generator.append_tokens(np.array([prompt], dtype=np.int32))
-    tokens: list[int] = []
-    while not generator.is_done() and len(tokens) < steps:
-        generator.generate_next_token()
-        tokens.append(int(generator.get_next_tokens()[0]))
-    return tokens
 
 
 def test_builder_graph_is_the_fused_form(built):
