@@ -118,9 +118,11 @@ class LayerdropLM(TemplateLM):
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         return super().loglikelihood(requests, disable_tqdm=disable_tqdm or not self.progress)
 
-    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **_kwargs) -> list[tuple[float, bool]]:
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, batch: int | None = None,
+                              **_kwargs) -> list[tuple[float, bool]]:
         """(sum of log p(continuation | context), whether greedy decoding gives the continuation) per request."""
         disable_tqdm = disable_tqdm or not self.progress
+        batch = batch or self._batch
         inputs = []
         for _key, context, continuation in requests:
             if not continuation:
@@ -133,8 +135,8 @@ class LayerdropLM(TemplateLM):
         order = sorted(range(len(requests)), key=lambda i: -len(inputs[i]))  # similar lengths share a batch
         answers: list[tuple[float, bool] | None] = [None] * len(requests)
         with tqdm(total=len(order), desc="layerdrop loglikelihood", disable=disable_tqdm) as bar:
-            for start in range(0, len(order), self._batch):
-                chunk = order[start:start + self._batch]
+            for start in range(0, len(order), batch):
+                chunk = order[start:start + batch]
                 logits = self._logits([inputs[i] for i in chunk])
                 for row, index in enumerate(chunk):
                     key, _context, continuation = requests[index]
@@ -155,7 +157,8 @@ class LayerdropLM(TemplateLM):
             windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
                 token_list=self.tok_encode(text), prefix_token=self.prefix_token_id, max_seq_len=self._max_length,
                 context_len=1)]
-            scores = self._loglikelihood_tokens([(None, c, t) for c, t in windows], disable_tqdm=True)
+            # one window per run: a window may be max_length tokens, and its logits are max_length x vocab floats
+            scores = self._loglikelihood_tokens([(None, c, t) for c, t in windows], disable_tqdm=True, batch=1)
             total = sum(s for s, _ in scores)
             results.append(total)
             self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
