@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -32,7 +30,7 @@ def main() -> None:
     from layerdrop import api
     from layerdrop.export.default_model import default_model_folder
     from layerdrop.runtime.bench import compare
-    from layerdrop.runtime.genai import genai_greedy
+    from layerdrop.runtime.genai import genai_greedy, run_builder
     from layerdrop.runtime.generate import greedy_generate
     from layerdrop.runtime.session import make_session
     from layerdrop.runtime.text import load_tokenizer
@@ -42,9 +40,7 @@ def main() -> None:
     built, scored = args.out / "built", args.out / "scored"
     timings = {}
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(default_model_folder()),
-                    "-o", str(built), "-p", "fp32", "-e", "cpu", "-c", str(args.out / "cache")], check=True,
-                   capture_output=True)
+    run_builder(default_model_folder(), built)
     timings["build"] = time.perf_counter() - start
     start = time.perf_counter()
     api.score(built, scored, threads=args.threads, progress=False)

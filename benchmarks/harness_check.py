@@ -29,6 +29,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def write_tasks(folder: Path, items: int, seed: int = 0) -> None:
+    from layerdrop.runtime.harness import write_local_task
     from layerdrop.runtime.text import bundled_text
 
     text = bundled_text("eval").read_text(encoding="utf-8")
@@ -46,18 +47,11 @@ def write_tasks(folder: Path, items: int, seed: int = 0) -> None:
         rng.shuffle(choices)
         mc.append({"context": context, "choices": choices, "answer": choices.index(answer)})
         gen.append({"context": context, "answer": answer})
-    for name, rows in (("mc", mc), ("gen", gen)):
-        (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    common = "dataset_path: json\ntest_split: test\n"
-    (folder / "mc.yaml").write_text(
-        f"task: austen_next_words\n{common}dataset_kwargs:\n  data_files:\n    test: {folder / 'mc.jsonl'}\n"
-        "output_type: multiple_choice\ndoc_to_text: '{{context}}'\ndoc_to_choice: '{{choices}}'\n"
-        "doc_to_target: '{{answer}}'\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n")
-    (folder / "gen.yaml").write_text(
-        f"task: austen_continue\n{common}dataset_kwargs:\n  data_files:\n    test: {folder / 'gen.jsonl'}\n"
-        "output_type: generate_until\ndoc_to_text: '{{context}}'\ndoc_to_target: '{{answer}}'\n"
-        "generation_kwargs:\n  until: [\".\", \"\\n\"]\n  max_gen_toks: 16\n  do_sample: false\n"
-        "metric_list:\n  - metric: exact_match\n")
+    write_local_task(folder, "austen_next_words", mc, output_type="multiple_choice", doc_to_text="{{context}}",
+                     doc_to_choice="{{choices}}", doc_to_target="{{answer}}", metrics=["acc", "acc_norm"])
+    write_local_task(folder, "austen_continue", gen, output_type="generate_until", doc_to_text="{{context}}",
+                     doc_to_target="{{answer}}", metrics=["exact_match"],
+                     generation_kwargs={"until": [".", "\n"], "max_gen_toks": 16, "do_sample": False})
 
 
 def evaluate(model, tasks: Path) -> dict:

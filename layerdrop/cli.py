@@ -315,8 +315,6 @@ def _eval_tasks(args) -> int:
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
         raise LayerdropError("--tasks is empty; name lm-eval tasks, e.g. --tasks hellaswag,arc_easy")
-    if _OFFLINE_BY_DEFAULT:
-        os.environ.pop("HF_HUB_OFFLINE", None)  # the standard tasks download their data unless the user said not to
     folders = [args.model] + ([args.vs] if args.vs else [])
     for folder in folders:
         model_folder.load(folder)  # both folders are checked before minutes of evaluation
@@ -412,21 +410,18 @@ def plan_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-_OFFLINE_BY_DEFAULT = False
-
 COMMANDS = {"export": cmd_export, "score": cmd_score, "inspect": cmd_inspect, "drop": cmd_drop, "harp": cmd_harp,
             "eval": cmd_eval, "bench": cmd_bench, "check": cmd_check, "pipeline": cmd_pipeline, "plan": cmd_plan}
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `layerdrop` console command; returns the exit code."""
-    global _OFFLINE_BY_DEFAULT
-    _OFFLINE_BY_DEFAULT = "HF_HUB_OFFLINE" not in os.environ
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     parser = build_parser()
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     try:
         args = parser.parse_args(argv)
+        if not getattr(args, "tasks", None):  # lm-eval's standard tasks download their data; nothing else may
+            os.environ.setdefault("HF_HUB_OFFLINE", "1")
         return COMMANDS[args.command](args)
     except LayerdropError as exc:
         if debug:

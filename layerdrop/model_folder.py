@@ -20,7 +20,6 @@ import onnx_ir as ir
 from layerdrop.errors import LayerdropError, OutputError
 
 GENAI_CONFIG = "genai_config.json"
-KV_LAYERS_KEY = "layerdrop.kv_layers"  # written by passes.prune_kv_cache: new cache index -> original layer
 MODEL_NAME = "model.onnx"
 DATA_NAME = "model.onnx.data"
 
@@ -136,13 +135,6 @@ def load(path: Path | str, *, split_skip_norms: bool = True) -> tuple[ModelFolde
     return folder, model
 
 
-def _kv_map(model_or_proto) -> list[int] | None:
-    props = model_or_proto.metadata_props
-    value = props.get(KV_LAYERS_KEY) if isinstance(props, dict) else next(
-        (p.value for p in props if p.key == KV_LAYERS_KEY), None)
-    return json.loads(value) if value else None
-
-
 def updated_genai_config(source: ModelFolder, model: ir.Model) -> str:
     """The source folder's genai_config.json for the rewritten `model`.
 
@@ -156,12 +148,14 @@ def updated_genai_config(source: ModelFolder, model: ir.Model) -> str:
                and (v.name or "").endswith(".key"))
     if not isinstance(decoder, dict) or not kept:
         return json.dumps(data, indent=4)
-    before = decoder.get("num_hidden_layers", kept)
-    source_map = _kv_map(onnx.load(source.onnx_path, load_external_data=False)) or list(range(before))
-    new_map = _kv_map(model) or list(range(kept))
     decoder["num_hidden_layers"] = kept
     window = decoder.get("sliding_window")
     if isinstance(window, dict) and isinstance(window.get("layers"), list):
+        # the list counts the source's cache layers; both maps lead back to the original layers
+        from layerdrop.passes.prune_kv_cache import kv_layer_map
+
+        source_graph = ir.serde.deserialize_model(onnx.load(source.onnx_path, load_external_data=False))
+        source_map, new_map = kv_layer_map(source_graph), kv_layer_map(model)
         local = {source_map[i] for i in window["layers"] if 0 <= i < len(source_map)}
         window["layers"] = [new for new, original in enumerate(new_map) if original in local]
     return json.dumps(data, indent=4)

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +20,7 @@ import transformers
 from layerdrop import api
 from layerdrop.model_folder import resolve, updated_genai_config
 from layerdrop.runtime.feeds import prefill_feed
-from layerdrop.runtime.genai import genai_greedy
+from layerdrop.runtime.genai import genai_greedy, run_builder
 from layerdrop.runtime.generate import greedy_generate
 from layerdrop.runtime.session import make_session
 from layerdrop.runtime.text import bundled_text, pack_windows
@@ -38,15 +36,6 @@ CASES = {
     "block": ([("block", 2)], None),
     "harp": ([], {3: 0.7, 2: 0.0, 1: 0.4}),
 }
-
-
-def build(hf_folder: Path, out: Path) -> Path:
-    """Run the onnxruntime-genai model builder (fp32, CPU) on a Hugging Face folder."""
-    done = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_folder), "-o",
-                           str(out), "-p", "fp32", "-e", "cpu", "-c", str(out.parent / "builder-cache")],
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +58,7 @@ def built(torch_model, tiny_tokenizer_file, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("genai")
     torch_model.save_pretrained(root / "hf")
     shutil.copy(tiny_tokenizer_file, root / "hf" / "tokenizer.json")
-    return build(root / "hf", root / "built")
+    return run_builder(root / "hf", root / "built")
 
 
 def test_builder_graph_is_the_fused_form(built):

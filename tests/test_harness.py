@@ -15,6 +15,7 @@ lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip i
 
 from layerdrop import api  # noqa: E402
 from layerdrop.cli import main  # noqa: E402
+from layerdrop.runtime.harness import write_local_task  # noqa: E402
 from tests.torch_reference import replaced  # noqa: E402
 
 MC = [
@@ -37,22 +38,13 @@ ROLL = [{"text": "Sir Walter Elliot, of Kellynch Hall, in Somersetshire, was a m
 def tasks(tmp_path_factory) -> Path:
     """A folder of three local tasks (multiple choice, generation, rolling log-likelihood) over JSON files."""
     folder = tmp_path_factory.mktemp("tasks")
-    for name, rows in (("mc", MC), ("gen", GEN), ("roll", ROLL)):
-        (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    common = "dataset_path: json\ntest_split: test\n"
-    (folder / "mc.yaml").write_text(
-        f"task: ld_mc\n{common}dataset_kwargs:\n  data_files:\n    test: {folder / 'mc.jsonl'}\n"
-        "output_type: multiple_choice\ndoc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\n"
-        "doc_to_target: '{{answer}}'\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n")
-    (folder / "gen.yaml").write_text(
-        f"task: ld_gen\n{common}dataset_kwargs:\n  data_files:\n    test: {folder / 'gen.jsonl'}\n"
-        "output_type: generate_until\ndoc_to_text: '{{question}}'\ndoc_to_target: '{{answer}}'\n"
-        "generation_kwargs:\n  until: [\"\\n\\n\", \".\"]\n  max_gen_toks: 12\n  do_sample: false\n"
-        "metric_list:\n  - metric: exact_match\n")
-    (folder / "roll.yaml").write_text(
-        f"task: ld_roll\n{common}dataset_kwargs:\n  data_files:\n    test: {folder / 'roll.jsonl'}\n"
-        "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
-        "metric_list:\n  - metric: word_perplexity\n  - metric: bits_per_byte\n")
+    write_local_task(folder, "ld_mc", MC, output_type="multiple_choice", doc_to_text="{{question}}",
+                     doc_to_choice="{{choices}}", doc_to_target="{{answer}}", metrics=["acc", "acc_norm"])
+    write_local_task(folder, "ld_gen", GEN, output_type="generate_until", doc_to_text="{{question}}",
+                     doc_to_target="{{answer}}", metrics=["exact_match"],
+                     generation_kwargs={"until": ["\n\n", "."], "max_gen_toks": 12, "do_sample": False})
+    write_local_task(folder, "ld_roll", ROLL, output_type="loglikelihood_rolling", doc_to_text="",
+                     doc_to_target="{{text}}", metrics=["word_perplexity", "bits_per_byte"])
     return folder
 
 

@@ -166,9 +166,9 @@ def head_layout(model: ir.Model) -> tuple[int, int, int]:
             continue
         heads = node.attributes.get_int("num_heads", 0)
         kv_heads = node.attributes.get_int("kv_num_heads", heads)
-        readers = [use.node for use in node.outputs[0].uses() if _weight(use.node) is not None]
-        if heads and readers:
-            return heads, kv_heads, _weight(readers[0]).shape[0] // heads
+        weights = [w for use in node.outputs[0].uses() if (w := _weight(use.node)) is not None]
+        if heads and weights:
+            return heads, kv_heads, weights[0].shape[0] // heads
     raise LayerdropError("the model has no head layout (no export metadata, no GroupQueryAttention op); "
                          "re-export it with `layerdrop export`")
 

@@ -6,6 +6,7 @@ hook in `layerdrop/_lm_eval_hook.py`; `layerdrop eval MODEL --tasks ...` uses it
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,28 @@ from layerdrop.runtime.text import load_tokenizer
 
 DEFAULT_MAX_LENGTH = 2048
 DEFAULT_BATCH = 8
+
+
+def write_local_task(folder: Path, name: str, rows: list[dict], *, output_type: str, doc_to_text: str,
+                     doc_to_target: str, metrics: list[str], doc_to_choice: str | None = None,
+                     generation_kwargs: dict | None = None) -> Path:
+    """Write an lm-eval task over local rows: `name.jsonl` and `name.yaml` in `folder` (use it as --include-path).
+
+    Values go into the YAML as JSON, which YAML reads as written (stop strings with newlines included).
+    """
+    folder = Path(folder)
+    data = folder / f"{name}.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    config = {"task": name, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data)}},
+              "test_split": "test", "output_type": output_type, "doc_to_text": doc_to_text,
+              "doc_to_target": doc_to_target, "metric_list": [{"metric": m} for m in metrics]}
+    if doc_to_choice is not None:
+        config["doc_to_choice"] = doc_to_choice
+    if generation_kwargs is not None:
+        config["generation_kwargs"] = generation_kwargs
+    path = folder / f"{name}.yaml"
+    path.write_text("".join(f"{key}: {json.dumps(value)}\n" for key, value in config.items()), encoding="utf-8")
+    return path
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -73,11 +96,11 @@ class LayerdropLM(TemplateLM):
         path = path or pretrained
         if not path:
             raise LayerdropError("give the model folder: --model_args path=OUTDIR")
-        self.folder = model_folder.resolve(Path(path))
-        model_folder.load(self.folder.path)  # validates the graph and its external data with clear errors
+        # one read of the graph: checked (external data, with clear errors) and run as it was written
+        self.folder, model = model_folder.load(Path(path), split_skip_norms=False)
         if provider is None:
             provider = "cuda" if device and str(device).startswith("cuda") else "cpu"
-        self.session = make_session(self.folder.onnx_path, provider=provider,
+        self.session = make_session(model, folder=self.folder.path, provider=provider,
                                     threads=int(threads) if threads else None)
         self.tokenizer = load_tokenizer(self.folder.path)
         config = model_folder.config(self.folder.path)
