@@ -11,7 +11,10 @@ from setuptools.command.build_py import build_py
 from setuptools.command.editable_wheel import editable_wheel
 
 PTH = "layerdrop-lm-eval.pth"
-LINE = "import layerdrop._lm_eval_hook\n"
+# A .pth runs its "import" lines at every interpreter start; this one stays quiet when layerdrop cannot be
+# imported (an editable checkout that was moved or deleted) instead of printing a traceback each time.
+LINE = 'import sys; exec("try:\\n import layerdrop._lm_eval_hook\\nexcept ImportError:\\n pass")\n'
+
 
 
 class BuildWithPth(build_py):

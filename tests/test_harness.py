@@ -156,6 +156,20 @@ def test_lm_eval_command_finds_the_layerdrop_model(exported, tasks, tmp_path):
     assert "ld_mc" in done.stdout and "acc" in done.stdout
 
 
+def test_pth_hook_is_installed_and_quiet_where_layerdrop_cannot_be_imported(tmp_path):
+    import ast
+    import site
+
+    setup = ast.parse((Path(__file__).parents[1] / "setup.py").read_text())
+    line = next(node.value.value for node in setup.body
+                if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "LINE")
+    installed = [Path(d) / "layerdrop-lm-eval.pth" for d in site.getsitepackages()]
+    assert any(path.is_file() and path.read_text() == line for path in installed)
+    # -S: no site-packages, so layerdrop is not importable (a moved or deleted editable checkout)
+    done = subprocess.run([sys.executable, "-S", "-c", line], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0 and done.stderr == ""
+
+
 def test_cli_eval_tasks_side_by_side(exported, tasks, tmp_path, capsys):
     pruned = tmp_path / "pruned"
     api.drop(exported("llama", True), pruned, targets=[("attn", 1)])
