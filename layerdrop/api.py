@@ -175,17 +175,18 @@ def drop(
 HARP_SEARCH_KEY = "layerdrop.harp_search"
 
 
-def rewrite_passes(drops: list[tuple[str, int]], alphas: dict[int, float], reason: str, fuse: bool = False
-                   ) -> list[ir.passes.PassBase]:
-    """The passes that apply drops and HARP bypasses, fold alphas, prune the KV cache and clean up; with `fuse`,
-    ONNX Runtime fusions last of all (which also restores a builder graph's skip-norms)."""
+def rewrite_passes(drops: list[tuple[str, int]], alphas: dict[int, float], reason: str, fuse: bool = False,
+                   means: dict | None = None) -> list[ir.passes.PassBase]:
+    """The passes that apply drops and HARP bypasses (mean-shifted for the layers in `means`), fold alphas, prune
+    the KV cache and clean up; with `fuse`, ONNX Runtime fusions last of all (which also restores a builder
+    graph's skip-norms)."""
     from onnxscript.rewriter import RewritePass
 
     passes: list[ir.passes.PassBase] = []
     if drops:
         passes.append(DropBranchesPass(drops, reason=reason))
     if alphas:
-        passes += [HarpBypassPass(alphas), RewritePass(fold_alpha_rules())]
+        passes += [HarpBypassPass(alphas, means), RewritePass(fold_alpha_rules())]
     passes += [PruneKvCachePass(), *cleanup_passes(), FindResidualsPass()]
     if fuse:
         from layerdrop.passes.ort_fusions import OrtFusionPass
@@ -573,6 +574,7 @@ def plan(
     eval_samples: int = 32,
     seq_len: int = DEFAULT_SEQ_LEN,
     extra: int = 4,
+    shift: bool = True,
     provider: str = "cpu",
     threads: int | None = None,
     force: bool = False,
@@ -581,16 +583,18 @@ def plan(
     """Plan the best set of attention drops/bypasses for a budget and write the chosen model (see planner).
 
     The search text is the end of `calib` (disjoint from the scoring windows at its start); the comparison table
-    is measured on `eval_text`, which the search never sees.
+    is measured on `eval_text`, which the search never sees. With `shift`, the planner's moves carry the mean
+    shift, whose means come from the start of `calib` (`branch_means`); the other methods are the papers' own.
 
     Returns:
-        {"budget", "attention_layers", "pick": {...}, "methods": [{"method", "alphas", "search_ppl", "eval_ppl"}],
-         "baseline": {...}, "search_seconds"}
+        {"budget", "attention_layers", "pick": {...}, "methods": [{"method", "alphas", "shift", "search_ppl",
+         "eval_ppl"}], "baseline": {...}, "search_seconds"}
     """
     import time
 
     from layerdrop.runtime.evaluate import perplexity
-    from layerdrop.runtime.planner import bypass_search, plan_attention
+    from layerdrop.runtime.alpha_search import branch_means
+    from layerdrop.runtime.planner import bypass_search, candidate_pool, plan_attention
     from layerdrop.runtime.session import make_session
 
     folder, model = model_folder.load(model_path)
@@ -611,9 +615,9 @@ def plan(
     search = windows_for(folder.path, calib, part="calib", samples=search_samples, seq_len=seq_len, from_end=True)
     held_out = windows_for(folder.path, eval_text, part="eval", samples=eval_samples, seq_len=seq_len)
 
-    def measure(alphas: dict[int, float]) -> tuple[float, float]:
+    def measure(alphas: dict[int, float], means: dict | None) -> tuple[float, float]:
         candidate = model_folder.copy_model(model)
-        run_passes(candidate, rewrite_passes([], alphas, "plan"))
+        run_passes(candidate, rewrite_passes([], alphas, "plan", means=means))
         session = make_session(candidate, folder=folder.path, **session_args)
         return (perplexity(session, search.ids).perplexity, perplexity(session, held_out.ids).perplexity)
 
@@ -629,15 +633,25 @@ def plan(
                                                                   progress=progress, **session_args)
     methods["score-selected bypass, searched alphas"] = bypass_search(model, folder.path, search.ids, lowest,
                                                                        progress=progress, **session_args)
-    planned = plan_attention(model, folder.path, search.ids, scores, count, extra=extra, progress=progress,
+    means = None
+    if shift:
+        means = branch_means(model, folder.path, calib_windows.ids, candidate_pool(scores, count, extra),
                              **session_args)
-    methods["planner"] = planned.alphas
+    planned = plan_attention(model, folder.path, search.ids, scores, count, extra=extra, means=means,
+                             progress=progress, **session_args)
+    rows = [(name, alphas, None) for name, alphas in methods.items()]
+    if shift:
+        rows += [("planner (moves with the mean shift)", planned.alphas, means),
+                 ("planner's layers and alphas without the shift", planned.alphas, None)]
+    else:
+        rows.append(("planner", planned.alphas, None))
     table = []
-    for name, alphas in methods.items():
-        search_ppl, eval_ppl = measure(alphas)
+    for name, alphas, row_means in rows:
+        search_ppl, eval_ppl = measure(alphas, row_means)
         table.append({"method": name, "alphas": {int(k): v for k, v in sorted(alphas.items())},
-                      "search_ppl": search_ppl, "eval_ppl": eval_ppl})
+                      "shift": row_means is not None, "search_ppl": search_ppl, "eval_ppl": eval_ppl})
     pick = min(table, key=lambda row: row["search_ppl"])
+    pick_means = {k: means[k] for k in pick["alphas"]} if pick["shift"] else None
     seconds = time.perf_counter() - started
     baseline = make_session(model, folder=folder.path, **session_args)  # still unmodified here
     base = {"search_ppl": perplexity(baseline, search.ids).perplexity,
@@ -648,7 +662,7 @@ def plan(
               "search_text": search.source, "eval_text": held_out.source, "planner_log": planned.log}
     model.metadata_props["layerdrop.plan"] = json.dumps({k: v for k, v in result.items() if k != "planner_log"},
                                                         sort_keys=True, default=_json_default)
-    run_passes(model, rewrite_passes([], pick["alphas"], "plan"))
+    run_passes(model, rewrite_passes([], pick["alphas"], "plan", means=pick_means))
     model_folder.save(model, out_dir, source=folder, force=force)
     return result
 

@@ -159,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-samples", type=parse_count, default=32)
     p.add_argument("--seq-len", type=parse_count, default=256)
     p.add_argument("--extra", type=int, default=4, help="candidates beyond the budget in the search pool")
+    p.add_argument("--no-shift", dest="shift", action="store_false",
+                   help="search the papers' moves only (keep, drop, V·O bypass), without the mean shift")
     p.add_argument("--json", type=Path)
     _common(p)
     return parser
@@ -218,6 +220,13 @@ def _print_scores(rows: list[dict]) -> None:
         print(f"{layer:>5}  " + "  ".join(cells))
 
 
+def _removal_text(entry: dict) -> str:
+    """attn:29, or attn:29(alpha 0.5) for a HARP bypass, with ", mean shift" when the planner shifted it."""
+    if "alpha" not in entry:
+        return f"{entry['kind']}:{entry['layer']}"
+    return f"{entry['kind']}:{entry['layer']}(alpha {entry['alpha']}{', mean shift' if entry.get('shift') else ''})"
+
+
 def cmd_inspect(args) -> int:
     from layerdrop import api
 
@@ -232,8 +241,7 @@ def cmd_inspect(args) -> int:
         c = info["calibration"]
         print(f"scores from {c['file']} ({c['samples']} x {c['seq_len']} tokens, sha256 {c['sha256'][:12]})")
     if info["removed"]:
-        removed = ", ".join(f"{e['kind']}:{e['layer']}" + (f"(alpha {e['alpha']})" if "alpha" in e else "")
-                            for e in info["removed"])
+        removed = ", ".join(_removal_text(entry) for entry in info["removed"])
         print(f"removed or bypassed: {removed}")
     if args.plot:
         scored = [r for r in rows if "score" in r]
@@ -388,8 +396,8 @@ def cmd_plan(args) -> int:
 
     result = api.plan(args.model, args.output, budget=args.budget, calib=args.calib, eval_text=args.eval,
                       samples=args.samples, search_samples=args.search_samples, eval_samples=args.eval_samples,
-                      seq_len=args.seq_len, extra=args.extra, provider=args.provider, threads=args.threads,
-                      force=args.force, progress=_progress(args))
+                      seq_len=args.seq_len, extra=args.extra, shift=args.shift, provider=args.provider,
+                      threads=args.threads, force=args.force, progress=_progress(args))
     print(plan_table(result))
     print(f"pick: {result['pick']['method']}; search took {result['search_seconds']:.0f} s; written to {args.output}")
     if args.json:
@@ -401,7 +409,7 @@ def plan_table(result: dict) -> str:
     """The planner's comparison (markdown): every method at the same budget, search and held-out perplexity."""
     count = result["attention_layers"]
     lines = [f"| method ({count} attention layers, KV kept {result['kv_fraction_kept']:.3f}) | layers: alpha "
-             "(0 = drop) | search ppl | held-out ppl |", "|---|---|---|---|",
+             "(0 = drop, or the mean with the shift) | search ppl | held-out ppl |", "|---|---|---|---|",
              f"| baseline | - | {result['baseline']['search_ppl']:.2f} | {result['baseline']['eval_ppl']:.2f} |"]
     for row in result["methods"]:
         alphas = " ".join(f"{k}:{v:g}" for k, v in sorted(row["alphas"].items(), key=lambda kv: -int(kv[0])))

@@ -22,7 +22,7 @@ from layerdrop.runtime.generate import greedy_generate
 from layerdrop.runtime.scoring import compute_scores
 from layerdrop.runtime.text import Windows, bundled_text, pack_windows
 from tests.helpers import ort_logits, session
-from tests.torch_reference import greedy, hook_scores, logits, replaced
+from tests.torch_reference import branch_means, greedy, hook_scores, logits, replaced
 
 pytestmark = pytest.mark.slow
 # SmolLM2's logits reach about 20; PyTorch's own float32 paths differ from each other by about 1e-4 there, so
@@ -139,3 +139,24 @@ def test_default_model_builder_folder_score_drop_eval_harp_and_genai(smollm2_hf,
         ours, _ = greedy_generate(session(out), np.array([prompt]), 32)
         theirs = genai_greedy(out, prompt, 32)
         assert theirs == ours[:len(theirs)] and (len(theirs) == 32 or theirs[-1] == torch_model.config.eos_token_id)
+
+
+def test_default_model_plan_honours_the_budget_and_matches_torch(smollm2_kv, torch_model, real_windows, tmp_path):
+    """`layerdrop plan` end to end on the real model, at a small budget and tiny search settings."""
+    result = api.plan(smollm2_kv, tmp_path / "plan", budget="attn=2", samples=4, search_samples=1, eval_samples=1,
+                      seq_len=64, extra=0, progress=False)
+    assert result["attention_layers"] == 2 and len(result["pick"]["alphas"]) == 2
+    assert len(api.inspect(tmp_path / "plan")["kv_layers"]) == 28
+    assert result["pick"]["search_ppl"] == min(row["search_ppl"] for row in result["methods"])
+    alphas = {int(k): v for k, v in result["pick"]["alphas"].items()}
+    shifts = None
+    if result["pick"]["shift"]:
+        windows = api.windows_for(smollm2_kv, None, part="calib", samples=4, seq_len=64).ids
+        means = branch_means(torch_model, windows, sorted(alphas))
+        shifts = {layer: m_b - alphas[layer] * m_p for layer, (m_b, m_p) in means.items()}
+        reference = replaced(torch_model, [], alphas, shifts)
+    else:
+        reference = replaced(torch_model, [("attn", k) for k, v in alphas.items() if v == 0],
+                             {k: v for k, v in alphas.items() if v > 0})
+    got = ort_logits(tmp_path / "plan", real_windows[:1])
+    np.testing.assert_allclose(got, logits(reference, real_windows[:1]), atol=ATOL, rtol=0)

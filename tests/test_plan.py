@@ -11,7 +11,7 @@ import pytest
 from layerdrop import api
 from layerdrop.cli import main
 from tests.helpers import ort_logits
-from tests.torch_reference import VOCAB, logits, replaced, tiny_model
+from tests.torch_reference import VOCAB, branch_means, logits, replaced, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -39,17 +39,52 @@ def test_pick_is_never_worse_than_the_other_methods_on_the_search_text(planned):
     _, result = planned
     assert result["pick"]["search_ppl"] == min(row["search_ppl"] for row in result["methods"])
     names = {row["method"] for row in result["methods"]}
-    assert {"planner", "paper 1: iterative drop", "HARP: top layers, searched alphas"} <= names
+    assert {"planner (moves with the mean shift)", "paper 1: one-shot drop of the lowest scores",
+            "paper 1: iterative drop", "HARP: top layers, searched alphas",
+            "score-selected bypass, searched alphas"} <= names
 
 
-def test_planned_model_equals_torch_reference_for_the_chosen_moves(planned, rng):
+def test_planned_model_equals_torch_reference_for_the_chosen_moves(planned, exported, rng):
     out, result = planned
+    alphas = {int(k): v for k, v in result["pick"]["alphas"].items()}
+    shifts = None
+    if result["pick"]["shift"]:  # means over the start of the calibration text, as the planner takes them
+        windows = api.windows_for(exported("llama", True), None, part="calib", samples=4, seq_len=32).ids
+        means = branch_means(tiny_model("llama"), windows, sorted(alphas))
+        shifts = {layer: m_b - alphas[layer] * m_p for layer, (m_b, m_p) in means.items()}
+        drops, bypass = [], alphas
+    else:
+        drops = [("attn", layer) for layer, alpha in alphas.items() if alpha == 0]
+        bypass = {layer: alpha for layer, alpha in alphas.items() if alpha > 0}
+    ids = rng.randint(0, VOCAB, size=(1, 10))
+    reference = logits(replaced(tiny_model("llama"), drops, bypass, shifts), ids)
+    np.testing.assert_allclose(ort_logits(out, ids), reference, atol=1e-4, rtol=0)
+
+
+def test_the_shifted_planner_is_compared_with_the_same_moves_unshifted(planned):
+    _, result = planned
+    rows = {row["method"]: row for row in result["methods"]}
+    shifted = rows["planner (moves with the mean shift)"]
+    plain = rows["planner's layers and alphas without the shift"]
+    assert shifted["shift"] and not plain["shift"] and shifted["alphas"] == plain["alphas"]
+    assert not any(row["shift"] for name, row in rows.items() if not name.startswith("planner"))
+
+
+def test_no_shift_plans_with_the_papers_moves_only(exported, tmp_path, rng):
+    report = tmp_path / "plan.json"
+    code = main(["plan", str(exported("llama", True)), "-o", str(tmp_path / "model"), "--budget", "attn=1",
+                 "--samples", "4", "--search-samples", "2", "--eval-samples", "2", "--seq-len", "32", "--extra",
+                 "1", "--no-shift", "--json", str(report), "--no-progress"])
+    assert code == 0
+    result = json.loads(report.read_text())
+    assert [row["shift"] for row in result["methods"]] == [False] * 5
+    assert result["methods"][-1]["method"] == "planner"
     alphas = {int(k): v for k, v in result["pick"]["alphas"].items()}
     drops = [("attn", layer) for layer, alpha in alphas.items() if alpha == 0]
     bypass = {layer: alpha for layer, alpha in alphas.items() if alpha > 0}
     ids = rng.randint(0, VOCAB, size=(1, 10))
     reference = logits(replaced(tiny_model("llama"), drops, bypass), ids)
-    np.testing.assert_allclose(ort_logits(out, ids), reference, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(ort_logits(tmp_path / "model", ids), reference, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("budget,message", [("attn=0", "from 1 to 4"), ("attn=9", "from 1 to 4"),

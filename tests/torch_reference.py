@@ -58,10 +58,11 @@ class _ZeroMLP(torch.nn.Module):
 class _RescaledVO(torch.nn.Module):
     """SPEC §4: attention replaced by alpha * (x W_V, heads repeated to the query heads) W_O (+ biases)."""
 
-    def __init__(self, attention: torch.nn.Module, config, alpha: float) -> None:
+    def __init__(self, attention: torch.nn.Module, config, alpha: float, shift: torch.Tensor | float = 0.0) -> None:
         super().__init__()
         self.attention = attention
         self.alpha = alpha
+        self.shift = shift
         text = config.get_text_config(decoder=True)
         self.heads = text.num_attention_heads
         self.kv_heads = getattr(text, "num_key_value_heads", None) or self.heads
@@ -80,13 +81,15 @@ class _RescaledVO(torch.nn.Module):
         b, t, _ = v.shape
         v = v.view(b, t, self.kv_heads, self.head_dim)
         v = v.repeat_interleave(self.heads // self.kv_heads, dim=2).reshape(b, t, self.heads * self.head_dim)
-        return self.alpha * self.attention.o_proj(v), None
+        return self.alpha * self.attention.o_proj(v) + self.shift, None
 
 
-def replaced(model: torch.nn.Module, targets, alphas: dict[int, float] | None = None) -> torch.nn.Module:
+def replaced(model: torch.nn.Module, targets, alphas: dict[int, float] | None = None,
+             shifts: dict[int, np.ndarray] | None = None) -> torch.nn.Module:
     """A copy of `model` with (kind, layer) modules replaced by zero branches and HARP layers by the V·O map.
 
-    For Gemma-2 the post-attention norm stays after the V·O map and alpha scales after it (SPEC §4).
+    For Gemma-2 the post-attention norm stays after the V·O map and alpha scales after it (SPEC §4). `shifts`
+    adds a constant vector to the branch of those HARP layers (the planner's mean shift).
     """
     model = copy.deepcopy(model)
     layers = model.model.layers
@@ -97,23 +100,54 @@ def replaced(model: torch.nn.Module, targets, alphas: dict[int, float] | None = 
             layers[index].mlp = _ZeroMLP()
     for index, alpha in (alphas or {}).items():
         layer = layers[index]
+        shift = torch.tensor((shifts or {}).get(index, 0.0), dtype=next(model.parameters()).dtype)
         if hasattr(layer, "post_feedforward_layernorm"):  # Gemma-2: alpha after the post-attention norm
             layer.self_attn = _RescaledVO(layer.self_attn, model.config, 1.0)
-            norm = layer.post_attention_layernorm
-            layer.post_attention_layernorm = _Scaled(norm, alpha)
+            layer.post_attention_layernorm = _Scaled(layer.post_attention_layernorm, alpha, shift)
         else:
-            layer.self_attn = _RescaledVO(layer.self_attn, model.config, alpha)
+            layer.self_attn = _RescaledVO(layer.self_attn, model.config, alpha, shift)
     return model
 
 
 class _Scaled(torch.nn.Module):
-    def __init__(self, inner: torch.nn.Module, alpha: float) -> None:
+    def __init__(self, inner: torch.nn.Module, alpha: float, shift: torch.Tensor | float = 0.0) -> None:
         super().__init__()
         self.inner = inner
         self.alpha = alpha
+        self.shift = shift
 
     def forward(self, x):
-        return self.alpha * self.inner(x)
+        return self.alpha * self.inner(x) + self.shift
+
+
+def branch_means(model: torch.nn.Module, windows: np.ndarray, layers) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Per layer, the means over all tokens of `windows` of the attention branch output (after a post-attention
+    norm, if any) and of the same branch with attention replaced by the unscaled V·O map, both on the
+    unmodified model's hidden states."""
+    sums = {layer: [0.0, 0.0] for layer in layers}
+    handles = []
+    for index in layers:
+        layer = model.model.layers[index]
+        post = layer.post_attention_layernorm if hasattr(layer, "post_feedforward_layernorm") else None
+        vo = _RescaledVO(layer.self_attn, model.config, 1.0)
+
+        def hook(module, args, kwargs, output, index=index, post=post, vo=vo):
+            branch, bypass = output[0], vo(kwargs["hidden_states"])[0]
+            if post is not None:
+                branch, bypass = post(branch), post(bypass)
+            for slot, value in enumerate((branch, bypass)):
+                sums[index][slot] = sums[index][slot] + value.double().reshape(-1, value.shape[-1]).sum(0)
+
+        handles.append(layer.self_attn.register_forward_hook(hook, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            for row in windows:
+                model(torch.tensor(row[None]), use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    tokens = windows.shape[0] * windows.shape[1]
+    return {layer: (pair[0].numpy() / tokens, pair[1].numpy() / tokens) for layer, pair in sums.items()}
 
 
 def logits(model: torch.nn.Module, ids: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:

@@ -182,12 +182,23 @@ def _residual_stream(candidates: list[ResidualRegion]) -> list[ResidualRegion]:
     longest: dict[int, list[ResidualRegion]] = {}
     for region in reversed(candidates):  # graph order: successors come later
         best: list[ResidualRegion] = []
-        for successor in by_skip.get(region.output, []):
+        for successor in by_skip.get(_through_constant_adds(region.output), []):
             chain = longest.get(id(successor), [])
             if len(chain) > len(best):
                 best = chain
         longest[id(region)] = [region, *best]
     return max(longest.values(), key=len, default=[])
+
+
+def _through_constant_adds(value: ir.Value) -> ir.Value:
+    """The stream value after any Adds of a constant that it alone feeds (a branch replaced by its mean)."""
+    while len(uses := value.uses()) == 1:
+        node = uses[0].node
+        other = node.inputs[1 - uses[0].idx] if node.op_type == "Add" and len(node.inputs) == 2 else None
+        if other is None or not _is_constant(other) or value.is_graph_output():
+            break
+        value = node.outputs[0]
+    return value
 
 
 def _recorded(node: ir.Node) -> dict:

@@ -5,6 +5,14 @@ the KV heads to match the query heads. W_V' W_O is one constant d x d matrix. Q,
 layer's KV cache become dead. A post-attention norm inside the branch (Gemma-2) stays, and alpha multiplies after
 it. alpha = 0 removes the branch. The Mul by alpha is folded into the matrix afterwards by `fold_alpha` rules
 wherever it directly follows the projection.
+
+Mean shift (the planner's extension, beyond SPEC §4): with the calibration means of the original branch, m_B, and
+of the unscaled bypass P (the V·O map, after the post-attention norm if any), m_P, the branch becomes
+
+    alpha * P(X) + (m_B - alpha * m_P)
+
+so on calibration text it keeps the original branch's mean output; alpha = 0 then adds the constant m_B instead
+of removing the branch. Both are plain constant Adds; the KV cache goes as without the shift.
 """
 
 from __future__ import annotations
@@ -138,7 +146,7 @@ def _value_projection(region: ResidualRegion, heads: int, kv_heads: int,
     raise LayerdropError(f"cannot find the value projection of attention layer {region.layer}; HARP needs it")
 
 
-def _output_projection(region: ResidualRegion) -> tuple[ir.Node, ir.Value, np.ndarray, np.ndarray | None]:
+def output_projection(region: ResidualRegion) -> tuple[ir.Node, ir.Value, np.ndarray, np.ndarray | None]:
     """The last weight projection of the branch (W_O), its output value (after its bias) and weights."""
     for node in reversed(region.branch):
         weight = _weight(node)
@@ -173,30 +181,39 @@ def head_layout(model: ir.Model) -> tuple[int, int, int]:
                          "re-export it with `layerdrop export`")
 
 
-def folded_vo(region: ResidualRegion, heads: int, kv_heads: int, head_dim: int):
-    """(O-projection node, its output value, W_V' W_O [d, d], folded bias or None)."""
+def expanded_value_projection(region: ResidualRegion, heads: int, kv_heads: int, head_dim: int
+                              ) -> tuple[np.ndarray, np.ndarray | None]:
+    """W_V' [d, heads * head_dim] and its bias: W_V with each KV head repeated for the query heads that read it,
+    so that  Norm(X) W_V'  is what the output projection would read if every token attended only to itself."""
     w_v, b_v = _value_projection(region, heads, kv_heads, head_dim)
-    o_node, o_out, w_o, b_o = _output_projection(region)
-    if w_v.shape[1] != kv_heads * head_dim or w_o.shape[0] != heads * head_dim:
-        raise LayerdropError(
-            f"layer {region.layer}: V is {w_v.shape[1]} wide and O reads {w_o.shape[0]}, which does not fit "
-            f"{heads} heads / {kv_heads} KV heads of size {head_dim}")
+    if w_v.shape[1] != kv_heads * head_dim:
+        raise LayerdropError(f"layer {region.layer}: V is {w_v.shape[1]} wide, which does not fit {kv_heads} KV "
+                             f"heads of size {head_dim}")
     source = np.repeat(np.arange(kv_heads), heads // kv_heads)  # query head h reads KV head h // n_rep
     columns = (source[:, None] * head_dim + np.arange(head_dim)[None, :]).reshape(-1)
-    w_v_expanded = w_v.astype(np.float64)[:, columns]
-    matrix = (w_v_expanded @ w_o.astype(np.float64)).astype(w_o.dtype)
+    return w_v[:, columns], None if b_v is None else b_v[columns]
+
+
+def folded_vo(region: ResidualRegion, heads: int, kv_heads: int, head_dim: int):
+    """(O-projection node, its output value, W_V' W_O [d, d], folded bias or None)."""
+    w_v_expanded, b_v_expanded = expanded_value_projection(region, heads, kv_heads, head_dim)
+    o_node, o_out, w_o, b_o = output_projection(region)
+    if w_o.shape[0] != heads * head_dim:
+        raise LayerdropError(f"layer {region.layer}: O reads {w_o.shape[0]} values, which does not fit {heads} heads "
+                             f"of size {head_dim}")
+    matrix = (w_v_expanded.astype(np.float64) @ w_o.astype(np.float64)).astype(w_o.dtype)
     bias = None
-    if b_v is not None or b_o is not None:
+    if b_v_expanded is not None or b_o is not None:
         bias = np.zeros(w_o.shape[1], dtype=np.float64)
-        if b_v is not None:
-            bias += b_v.astype(np.float64)[columns] @ w_o.astype(np.float64)
+        if b_v_expanded is not None:
+            bias += b_v_expanded.astype(np.float64) @ w_o.astype(np.float64)
         if b_o is not None:
             bias += b_o.astype(np.float64)
         bias = bias.astype(w_o.dtype)
     return o_node, o_out, matrix, bias
 
 
-def _initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+def initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
     value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
                      const_value=ir.tensor(array, name=name))
     graph.register_initializer(value)
@@ -209,16 +226,20 @@ class HarpBypassPass(ir.passes.InPlacePass):
     Args:
         alphas: layer -> alpha in [0, 1], or layer -> the name of a scalar float graph input to create (used by
             the alpha search, so one graph serves all candidates).
+        means: layer -> (m_B, m_P) [d] for the layers that get the mean shift (module docstring).
 
-    Records each layer with its alpha and KV entries under model metadata `layerdrop.dropped` (how = "harp").
+    Records each layer with its alpha, whether it is shifted, and KV entries under model metadata
+    `layerdrop.dropped` (how = "harp").
 
     Raises:
         LayerdropError: a layer has no attention region, or its V/O projections cannot be located.
     """
 
-    def __init__(self, alphas: dict[int, float | str]) -> None:
+    def __init__(self, alphas: dict[int, float | str],
+                 means: dict[int, tuple[np.ndarray, np.ndarray]] | None = None) -> None:
         super().__init__()
         self.alphas = dict(alphas)
+        self.means = dict(means or {})
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
@@ -231,26 +252,37 @@ class HarpBypassPass(ir.passes.InPlacePass):
         history = removed_modules(model)
         removed = []
         for layer in sorted(self.alphas, reverse=True):
-            region, alpha = regions[layer], self.alphas[layer]
-            history.append(removal_record(region, "harp", "harp", alpha=alpha))
-            if alpha == 0:
+            region, alpha, means = regions[layer], self.alphas[layer], self.means.get(layer)
+            history.append(removal_record(region, "harp", "harp", alpha=alpha, shift=means is not None))
+            if alpha == 0 and means is None:
                 region.add.metadata_props.pop(REGION_KEY, None)
                 removed.append(region)
-                continue
-            self._rewrite(graph, region, alpha, heads, kv_heads, head_dim)
+            elif alpha == 0:
+                self._constant(graph, region, means[0])
+            else:
+                self._rewrite(graph, region, alpha, heads, kv_heads, head_dim, means)
         bypass(sorted(removed, key=lambda r: r.layer))
         model.metadata_props[DROPPED_KEY] = json.dumps(history, sort_keys=True)
         return ir.passes.PassResult(model, modified=True)
 
     @staticmethod
-    def _rewrite(graph, region: ResidualRegion, alpha, heads, kv_heads, head_dim) -> None:
+    def _constant(graph, region: ResidualRegion, branch_mean: np.ndarray) -> None:
+        """alpha 0 with the mean shift: the branch becomes its calibration mean (the residual Add stays)."""
+        dtype = region.skip.dtype.numpy() if region.skip.dtype is not None else np.float32
+        constant = initializer(graph, f"layerdrop.harp.{region.layer}.mean", branch_mean.astype(dtype))
+        branch_index = 1 if region.add.inputs[1] is region.branch_output else 0
+        region.add.replace_input_with(branch_index, constant)
+        region.add.metadata_props.pop(REGION_KEY, None)
+
+    @staticmethod
+    def _rewrite(graph, region: ResidualRegion, alpha, heads, kv_heads, head_dim, means=None) -> None:
         o_node, o_out, matrix, bias = folded_vo(region, heads, kv_heads, head_dim)
         prefix = f"layerdrop.harp.{region.layer}"
-        projected = ir.node("MatMul", [region.norm_output, _initializer(graph, f"{prefix}.vo", matrix)])
+        projected = ir.node("MatMul", [region.norm_output, initializer(graph, f"{prefix}.vo", matrix)])
         new_nodes = [projected]
         result = projected.outputs[0]
         if bias is not None:
-            biased = ir.node("Add", [result, _initializer(graph, f"{prefix}.bias", bias)])
+            biased = ir.node("Add", [result, initializer(graph, f"{prefix}.bias", bias)])
             new_nodes.append(biased)
             result = biased.outputs[0]
         graph.insert_before(o_node, new_nodes)
@@ -261,10 +293,23 @@ class HarpBypassPass(ir.passes.InPlacePass):
             scale = ir.Value(name=alpha, shape=ir.Shape([]), type=ir.TensorType(ir.DataType.from_numpy(matrix.dtype)))
             graph.inputs.append(scale)
         else:
-            scale = _initializer(graph, f"{prefix}.alpha", np.asarray(alpha, dtype=matrix.dtype))
-        scaled = ir.node("Mul", [branch_output, scale])
-        graph.insert_before(region.add, scaled)
+            scale = initializer(graph, f"{prefix}.alpha", np.asarray(alpha, dtype=matrix.dtype))
+        new_nodes = [ir.node("Mul", [branch_output, scale])]
+        if means is not None:  # + (m_B - alpha * m_P)
+            branch_mean, bypass_mean = (np.asarray(m, dtype=np.float64) for m in means)
+            if isinstance(alpha, str):
+                shift = ir.node("Mul", [initializer(graph, f"{prefix}.bypass_mean", bypass_mean.astype(matrix.dtype)),
+                                        scale])
+                offset = ir.node("Sub", [initializer(graph, f"{prefix}.branch_mean",
+                                                      branch_mean.astype(matrix.dtype)), shift.outputs[0]])
+                new_nodes += [shift, offset]
+                offset_value = offset.outputs[0]
+            else:
+                offset_value = initializer(graph, f"{prefix}.shift",
+                                            (branch_mean - alpha * bypass_mean).astype(matrix.dtype))
+            new_nodes.append(ir.node("Add", [new_nodes[0].outputs[0], offset_value]))
+        graph.insert_before(region.add, new_nodes)
         branch_index = 1 if region.add.inputs[1] is branch_output else 0
-        region.add.replace_input_with(branch_index, scaled.outputs[0])
+        region.add.replace_input_with(branch_index, new_nodes[-1].outputs[0])
         # Structure alone would call this branch an MLP now; the annotation keeps what it was.
         region.add.metadata_props[REGION_KEY] = json.dumps({**region.annotation(), "kind": "harp"}, sort_keys=True)

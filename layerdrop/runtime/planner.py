@@ -1,13 +1,17 @@
 """The planner: for an attention budget, choose which attention layers go and how (drop, or a rescaled V·O
 bypass with which alpha), by held-out perplexity measured in ONNX Runtime.
 
+With `means` (the default in `layerdrop plan`), every move also carries the mean shift of `HarpBypassPass`: the
+bypassed branch keeps the original branch's calibration mean, and alpha 0 leaves that constant instead of nothing.
+
 Search, starting from the cosine ranking instead of every combination:
   1. pool: the `budget + extra` lowest-scored attention layers;
   2. solo: for each pool layer alone, the best alpha in {0, 0.1, ..., 1} (alpha 0 is a drop);
   3. greedy: add, one at a time, the pool layer (with its solo alpha) whose addition gives the lowest perplexity;
   4. refine: re-search the chosen layers' alphas greedily top-down, as HARP does.
 Every evaluation starts from the hidden state entering the lowest changed layer, computed once from the
-unmodified model, so a candidate costs only the layers above it.
+unmodified model, so a candidate costs only the layers above it; and every move set over the pool runs in the
+same graph (keep and alpha are inputs), so no candidate builds a session of its own.
 """
 
 from __future__ import annotations
@@ -19,18 +23,13 @@ import numpy as np
 import onnx_ir as ir
 from tqdm import tqdm
 
-from layerdrop.runtime.alpha_search import (
-    alpha_sweep,
-    best_alpha,
-    greedy_alpha_search,
-    hidden_states_at,
-    suffix_perplexity,
-)
+from layerdrop.runtime.alpha_search import ALPHA_GRID, GatedSuffix, best_alpha, greedy_alpha_search
 
 
 @dataclass
 class Plan:
-    """Chosen moves (layer -> alpha; 0 means drop), the search perplexity, and a log of every evaluation."""
+    """Chosen moves (layer -> alpha; 0 means drop, or the constant mean with the shift), the search perplexity,
+    and a log of every evaluation."""
 
     alphas: dict[int, float]
     perplexity: float
@@ -38,30 +37,31 @@ class Plan:
 
 
 class _Evaluator:
-    """Perplexities of move sets from cached hidden states, with a progress bar showing the best so far."""
+    """Perplexities of move sets (one gated graph per start layer, see `GatedSuffix`), with a progress bar
+    showing the best so far."""
 
     def __init__(self, model: ir.Model, folder: Path, windows: np.ndarray, layers: list[int], progress: bool,
-                 session_args: dict) -> None:
-        self.model, self.folder, self.windows = model, folder, windows
-        self.session_args = session_args
-        self.hidden = hidden_states_at(model, folder, windows, sorted(layers), **session_args)
+                 means: dict | None, session_args: dict) -> None:
+        self.suffix = GatedSuffix(model, folder, windows, layers, means, **session_args)
+        self.start: int | None = None  # None: from the lowest moved layer
         self.bar = tqdm(desc="plan", unit="eval", disable=not progress, leave=False)
         self.best = float("inf")
 
-    def _tick(self, value: float) -> None:
+    def __call__(self, alphas: dict[int, float]) -> float:
+        value = self.suffix.perplexity(alphas, self.start)
         self.best = min(self.best, value)
         self.bar.update()
         self.bar.set_postfix(best=f"{self.best:.2f}")
-
-    def __call__(self, alphas: dict[int, float]) -> float:
-        value = suffix_perplexity(self.model, self.folder, self.windows, self.hidden, alphas, **self.session_args)
-        self._tick(value)
         return value
 
     def alpha_sweep(self, fixed: dict[int, float], layer: int) -> dict[float, float]:
-        """Perplexity for each alpha of `layer`, with `fixed` bypasses kept (one session, alpha as an input)."""
-        return alpha_sweep(self.model, self.folder, self.windows, self.hidden, fixed, layer,
-                           on_value=lambda _, value: self._tick(value), **self.session_args)
+        """Perplexity for each alpha of `layer`, with the `fixed` moves kept."""
+        return {alpha: self({**fixed, layer: alpha}) for alpha in ALPHA_GRID}
+
+
+def candidate_pool(scores: dict[int, float], budget: int, extra: int) -> list[int]:
+    """The `budget + extra` lowest-scored attention layers: the planner's candidates."""
+    return sorted(scores, key=lambda layer: (scores[layer], layer))[: min(len(scores), budget + extra)]
 
 
 def plan_attention(
@@ -72,6 +72,7 @@ def plan_attention(
     budget: int,
     *,
     extra: int = 4,
+    means: dict[int, tuple[np.ndarray, np.ndarray]] | None = None,
     progress: bool = True,
     **session_args,
 ) -> Plan:
@@ -80,9 +81,10 @@ def plan_attention(
     Args:
         scores: attention layer -> cosine score S (low: candidate).
         windows: token windows [n, seq] of the search text.
+        means: `branch_means` of the pool layers, for mean-shifted moves; None searches the papers' moves only.
     """
-    pool = sorted(scores, key=lambda layer: (scores[layer], layer))[: min(len(scores), budget + extra)]
-    evaluate = _Evaluator(model, folder, windows, pool, progress, session_args)
+    pool = candidate_pool(scores, budget, extra)
+    evaluate = _Evaluator(model, folder, windows, pool, progress, means, session_args)
     log: list[dict] = []
 
     solo: dict[int, float] = {}
@@ -91,6 +93,8 @@ def plan_attention(
         solo[layer] = best_alpha(sweep)
         log.append({"stage": "solo", "layer": layer, "alpha": solo[layer], "perplexity": sweep[solo[layer]]})
 
+    # Move sets from here on start at different layers; one graph from the lowest pool layer serves them all.
+    evaluate.start = min(pool)
     chosen: dict[int, float] = {}
     current = float("inf")
     while len(chosen) < budget:
