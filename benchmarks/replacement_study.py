@@ -1,6 +1,6 @@
 """What to put in place of a removed attention layer: a PyTorch study on the default model (issue 9, next steps).
 
-    python benchmarks/replacement_study.py --moves 29:0.5,26:0,22:0,17:0.1,14:0.1,7:0.1,6:0.1,4:0
+    python benchmarks/replacement_study.py [--moves 29:0.4,28:0.2,26:0,22:0.1,14:0.1,7:0.1,6:0.1,4:0]
 
 For one set of attention layers (layer:alpha), replaces each layer's attention in the Hugging Face model by
   1. alpha * V·O (HARP's map, alpha 0 = drop): what `layerdrop harp` / the planner without shift writes;
@@ -26,7 +26,7 @@ from layerdrop.export.default_model import default_model_folder
 from layerdrop.runtime.text import bundled_text, pack_windows
 
 
-DEFAULT_MOVES = "29:0.5,26:0,22:0,17:0.1,14:0.1,7:0.1,6:0.1,4:0"
+DEFAULT_MOVES = "29:0.4,28:0.2,26:0,22:0.1,14:0.1,7:0.1,6:0.1,4:0"
 
 
 def parse_moves(text: str) -> dict[int, float]:
@@ -113,7 +113,7 @@ class Study:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--moves", type=parse_moves, default=parse_moves(DEFAULT_MOVES),
-                        help=f"layer:alpha,... (default: the planner's pick without the shift, {DEFAULT_MOVES})")
+                        help=f"layer:alpha,... (default: the planner's pick on the default model, {DEFAULT_MOVES})")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     study = Study(default_model_folder(), args.threads)
