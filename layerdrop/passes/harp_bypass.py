@@ -226,7 +226,8 @@ class HarpBypassPass(ir.passes.InPlacePass):
     Args:
         alphas: layer -> alpha in [0, 1], or layer -> the name of a scalar float graph input to create (used by
             the alpha search, so one graph serves all candidates).
-        means: layer -> (m_B, m_P) [d] for the layers that get the mean shift (module docstring).
+        means: layer -> (m_B, m_P) [d] for the layers that get the mean shift (module docstring); numeric
+            alphas only (the planner's search builds its own gated graph, `alpha_search.gated_suffix_model`).
 
     Records each layer with its alpha, whether it is shifted, and KV entries under model metadata
     `layerdrop.dropped` (how = "harp").
@@ -297,17 +298,8 @@ class HarpBypassPass(ir.passes.InPlacePass):
         new_nodes = [ir.node("Mul", [branch_output, scale])]
         if means is not None:  # + (m_B - alpha * m_P)
             branch_mean, bypass_mean = (np.asarray(m, dtype=np.float64) for m in means)
-            if isinstance(alpha, str):
-                shift = ir.node("Mul", [initializer(graph, f"{prefix}.bypass_mean", bypass_mean.astype(matrix.dtype)),
-                                        scale])
-                offset = ir.node("Sub", [initializer(graph, f"{prefix}.branch_mean",
-                                                      branch_mean.astype(matrix.dtype)), shift.outputs[0]])
-                new_nodes += [shift, offset]
-                offset_value = offset.outputs[0]
-            else:
-                offset_value = initializer(graph, f"{prefix}.shift",
-                                            (branch_mean - alpha * bypass_mean).astype(matrix.dtype))
-            new_nodes.append(ir.node("Add", [new_nodes[0].outputs[0], offset_value]))
+            offset = initializer(graph, f"{prefix}.shift", (branch_mean - alpha * bypass_mean).astype(matrix.dtype))
+            new_nodes.append(ir.node("Add", [new_nodes[0].outputs[0], offset]))
         graph.insert_before(region.add, new_nodes)
         branch_index = 1 if region.add.inputs[1] is branch_output else 0
         region.add.replace_input_with(branch_index, new_nodes[-1].outputs[0])
