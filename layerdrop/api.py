@@ -592,8 +592,8 @@ def plan(
     """
     import time
 
-    from layerdrop.runtime.evaluate import perplexity
     from layerdrop.runtime.alpha_search import branch_means
+    from layerdrop.runtime.evaluate import perplexity
     from layerdrop.runtime.planner import bypass_search, candidate_pool, plan_attention
     from layerdrop.runtime.session import make_session
 
