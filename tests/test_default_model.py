@@ -22,7 +22,7 @@ from layerdrop.runtime.generate import greedy_generate
 from layerdrop.runtime.scoring import compute_scores
 from layerdrop.runtime.text import Windows, bundled_text, pack_windows
 from tests.helpers import ort_logits, session
-from tests.torch_reference import branch_means, greedy, hook_scores, logits, replaced
+from tests.torch_reference import greedy, hook_scores, logits, planned, replaced
 
 pytestmark = pytest.mark.slow
 # SmolLM2's logits reach about 20; PyTorch's own float32 paths differ from each other by about 1e-4 there, so
@@ -149,14 +149,7 @@ def test_default_model_plan_honours_the_budget_and_matches_torch(smollm2_kv, tor
     assert len(api.inspect(tmp_path / "plan")["kv_layers"]) == 28
     assert result["pick"]["search_ppl"] == min(row["search_ppl"] for row in result["methods"])
     alphas = {int(k): v for k, v in result["pick"]["alphas"].items()}
-    shifts = None
-    if result["pick"]["shift"]:
-        windows = api.windows_for(smollm2_kv, None, part="calib", samples=4, seq_len=64).ids
-        means = branch_means(torch_model, windows, sorted(alphas))
-        shifts = {layer: m_b - alphas[layer] * m_p for layer, (m_b, m_p) in means.items()}
-        reference = replaced(torch_model, [], alphas, shifts)
-    else:
-        reference = replaced(torch_model, [("attn", k) for k, v in alphas.items() if v == 0],
-                             {k: v for k, v in alphas.items() if v > 0})
+    windows = api.windows_for(smollm2_kv, None, part="calib", samples=4, seq_len=64).ids  # the planner's means
+    reference = planned(torch_model, alphas, windows if result["pick"]["shift"] else None)
     got = ort_logits(tmp_path / "plan", real_windows[:1])
     np.testing.assert_allclose(got, logits(reference, real_windows[:1]), atol=ATOL, rtol=0)

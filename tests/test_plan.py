@@ -11,7 +11,8 @@ import pytest
 from layerdrop import api
 from layerdrop.cli import main
 from tests.helpers import ort_logits
-from tests.torch_reference import VOCAB, branch_means, logits, replaced, tiny_model
+from tests.torch_reference import VOCAB, logits, tiny_model
+from tests.torch_reference import planned as planned_reference
 
 
 @pytest.fixture(scope="module")
@@ -47,17 +48,11 @@ def test_pick_is_never_worse_than_the_other_methods_on_the_search_text(planned):
 def test_planned_model_equals_torch_reference_for_the_chosen_moves(planned, exported, rng):
     out, result = planned
     alphas = {int(k): v for k, v in result["pick"]["alphas"].items()}
-    shifts = None
-    if result["pick"]["shift"]:  # means over the start of the calibration text, as the planner takes them
-        windows = api.windows_for(exported("llama", True), None, part="calib", samples=4, seq_len=32).ids
-        means = branch_means(tiny_model("llama"), windows, sorted(alphas))
-        shifts = {layer: m_b - alphas[layer] * m_p for layer, (m_b, m_p) in means.items()}
-        drops, bypass = [], alphas
-    else:
-        drops = [("attn", layer) for layer, alpha in alphas.items() if alpha == 0]
-        bypass = {layer: alpha for layer, alpha in alphas.items() if alpha > 0}
+    # the planner's means come from the start of the calibration text
+    windows = api.windows_for(exported("llama", True), None, part="calib", samples=4, seq_len=32).ids
     ids = rng.randint(0, VOCAB, size=(1, 10))
-    reference = logits(replaced(tiny_model("llama"), drops, bypass, shifts), ids)
+    reference_model = planned_reference(tiny_model("llama"), alphas, windows if result["pick"]["shift"] else None)
+    reference = logits(reference_model, ids)
     np.testing.assert_allclose(ort_logits(out, ids), reference, atol=1e-4, rtol=0)
 
 
@@ -80,10 +75,8 @@ def test_no_shift_plans_with_the_papers_moves_only(exported, tmp_path, rng):
     assert [row["shift"] for row in result["methods"]] == [False] * 5
     assert result["methods"][-1]["method"] == "planner"
     alphas = {int(k): v for k, v in result["pick"]["alphas"].items()}
-    drops = [("attn", layer) for layer, alpha in alphas.items() if alpha == 0]
-    bypass = {layer: alpha for layer, alpha in alphas.items() if alpha > 0}
     ids = rng.randint(0, VOCAB, size=(1, 10))
-    reference = logits(replaced(tiny_model("llama"), drops, bypass), ids)
+    reference = logits(planned_reference(tiny_model("llama"), alphas), ids)
     np.testing.assert_allclose(ort_logits(tmp_path / "model", ids), reference, atol=1e-4, rtol=0)
 
 

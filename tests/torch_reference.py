@@ -202,3 +202,14 @@ def hook_scores(model: torch.nn.Module, windows: np.ndarray) -> dict[tuple[str, 
         scores[("mlp", i)] = distance(("x_mlp", i), ("out", i))
         scores[("block", i)] = distance(("x_attn", i), ("out", i))
     return scores
+
+
+def planned(model: torch.nn.Module, alphas: dict[int, float], shift_windows: np.ndarray | None = None
+            ) -> torch.nn.Module:
+    """The reference for a plan's moves: HARP maps (alpha 0: dropped), or, with `shift_windows`, mean-shifted maps
+    whose constants m_B - alpha * m_P come from `branch_means` over those windows."""
+    if shift_windows is None:
+        return replaced(model, [("attn", layer) for layer, alpha in alphas.items() if alpha == 0],
+                        {layer: alpha for layer, alpha in alphas.items() if alpha > 0})
+    means = branch_means(model, shift_windows, sorted(alphas))
+    return replaced(model, [], alphas, {layer: m_b - alphas[layer] * m_p for layer, (m_b, m_p) in means.items()})

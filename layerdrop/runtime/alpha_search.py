@@ -107,6 +107,18 @@ def branch_means(model: ir.Model, folder: Path, windows: np.ndarray, layers: lis
     return {layer: (pair[0] / tokens, pair[1] / tokens) for layer, pair in sums.items()}
 
 
+def _from_hidden_to_logits(model: ir.Model, entry: ir.Value) -> ir.Model:
+    """Cut `model` (a copy) so that it starts at `entry` (fed as input `layerdrop_hidden`) and returns logits."""
+    hidden = ir.Value(name=HIDDEN_INPUT, shape=entry.shape, type=entry.type)
+    entry.replace_all_uses_with(hidden)
+    model.graph.inputs.append(hidden)
+    logits = next(v for v in model.graph.outputs if v.name == "logits")
+    model.graph.outputs.clear()
+    model.graph.outputs.append(logits)
+    RemoveUnusedNodesPass()(model)
+    return model
+
+
 def suffix_model(model: ir.Model, start_layer: int, moves: dict[int, float | str]) -> ir.Model:
     """A copy of `model` that starts at the attention of `start_layer` (input `layerdrop_hidden`) and returns
     logits, with `moves` (layer -> alpha, or the name of an alpha input) bypassed by HARP."""
@@ -118,14 +130,7 @@ def suffix_model(model: ir.Model, start_layer: int, moves: dict[int, float | str
         raise LayerdropError(f"layer {start_layer} has no residual region to start a suffix graph from")
     if moves:
         run_passes(copy, [HarpBypassPass(moves)])
-    hidden = ir.Value(name=HIDDEN_INPUT, shape=entry.shape, type=entry.type)
-    entry.replace_all_uses_with(hidden)
-    copy.graph.inputs.append(hidden)
-    logits = next(v for v in copy.graph.outputs if v.name == "logits")
-    copy.graph.outputs.clear()
-    copy.graph.outputs.append(logits)
-    RemoveUnusedNodesPass()(copy)
-    return copy
+    return _from_hidden_to_logits(copy, entry)
 
 
 def gated_suffix_model(model: ir.Model, start_layer: int, layers: list[int],
@@ -179,19 +184,12 @@ def gated_suffix_model(model: ir.Model, start_layer: int, layers: list[int],
         branch_index = 1 if region.add.inputs[1] is region.branch_output else 0
         region.add.replace_input_with(branch_index, tail[-1].outputs[0])
 
-    hidden = ir.Value(name=HIDDEN_INPUT, shape=entry.shape, type=entry.type)
-    entry.replace_all_uses_with(hidden)
-    graph.inputs.append(hidden)
-    logits = next(v for v in graph.outputs if v.name == "logits")
-    graph.outputs.clear()
-    graph.outputs.append(logits)
-    RemoveUnusedNodesPass()(copy)
-    return copy
+    return _from_hidden_to_logits(copy, entry)
 
 
 class GatedSuffix:
     """Perplexities of move sets over a fixed pool of layers without building a graph per move set: one
-    `gated_suffix_model` session per start layer (the lowest changed layer; the last two are kept), fed the
+    `gated_suffix_model` session for the current start layer (rebuilt only when the start changes), fed the
     hidden states entering that layer, computed once from the unmodified model."""
 
     def __init__(self, model: ir.Model, folder: Path, windows: np.ndarray, layers: list[int],
@@ -199,15 +197,14 @@ class GatedSuffix:
         self.model, self.folder, self.windows, self.layers = model, folder, windows, sorted(layers)
         self.means, self.session_args = means, session_args
         self.hidden = hidden_states_at(model, folder, windows, self.layers, **session_args)
-        self.sessions: dict[int, object] = {}
+        self.start, self.session = None, None
 
     def _session(self, start: int):
-        if start not in self.sessions:
-            while len(self.sessions) >= 2:
-                self.sessions.pop(next(iter(self.sessions)))
+        if start != self.start:
+            self.session = None  # free the old graph's weights before building the next
             graph = gated_suffix_model(self.model, start, [k for k in self.layers if k >= start], self.means)
-            self.sessions[start] = make_session(graph, folder=self.folder, **self.session_args)
-        return self.sessions[start]
+            self.start, self.session = start, make_session(graph, folder=self.folder, **self.session_args)
+        return self.session
 
     def perplexity(self, moves: dict[int, float], start: int | None = None) -> float:
         """Perplexity with `moves` (layer -> alpha) applied and every other pool layer kept, run from the pool
