@@ -252,8 +252,11 @@ def _interrupt_when(args: list[str], marker: str, tmp_path: Path, delay: float =
     """Run the CLI, send SIGINT once `marker` shows on stderr (plus `delay`); return (code, stderr, seconds)."""
     import threading
 
+    # A shell that starts a job in the background hands its children SIGINT ignored; the child must see Ctrl-C
+    # as a terminal would deliver it, whoever started the test run.
     process = subprocess.Popen([sys.executable, "-m", "layerdrop.cli", *args], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+                               stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen: list[str] = []
     ready = threading.Event()
 
