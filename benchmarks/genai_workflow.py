@@ -33,7 +33,7 @@ def main() -> None:
     from layerdrop.runtime.genai import genai_greedy, run_builder
     from layerdrop.runtime.generate import greedy_generate
     from layerdrop.runtime.session import make_session
-    from layerdrop.runtime.text import load_tokenizer
+    from layerdrop.windows import load_tokenizer
 
     shutil.rmtree(args.out, ignore_errors=True)
     args.out.mkdir(parents=True)
@@ -54,7 +54,7 @@ def main() -> None:
     folders["harp 29,28"] = args.out / "harp"
     api.harp(scored, folders["harp 29,28"], alphas={29: 0.5, 28: 0.3})
 
-    prompt = load_tokenizer(built).encode("The capital of France is", add_special_tokens=False).ids
+    prompt = load_tokenizer(built).encode("The capital of France is")
     rows = {}
     for name, folder in folders.items():
         ppl = api.evaluate(folder, threads=args.threads, progress=False)["perplexity"]

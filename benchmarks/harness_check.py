@@ -30,7 +30,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 def write_tasks(folder: Path, items: int, seed: int = 0) -> None:
     from layerdrop.runtime.harness import write_local_task
-    from layerdrop.runtime.text import bundled_text
+    from layerdrop.windows import bundled_text
 
     text = bundled_text("eval").read_text(encoding="utf-8")
     paragraphs = [re.sub(r"\s+", " ", p).strip() for p in text.split("\n\n")]

@@ -23,7 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from layerdrop.export.default_model import default_model_folder
-from layerdrop.runtime.text import bundled_text, pack_windows
+from layerdrop.windows import bundled_text, pack_windows
 
 DEFAULT_MOVES = "29:0.4,28:0.2,26:0,22:0.1,14:0.1,7:0.1,6:0.1,4:0"
 

@@ -21,19 +21,30 @@ from layerdrop.passes.harp_bypass import HarpBypassPass
 from layerdrop.passes.prune_kv_cache import PruneKvCachePass, kv_layer_map
 from layerdrop.runtime.alpha_search import greedy_alpha_search
 from layerdrop.runtime.scoring import compute_scores
-from layerdrop.runtime.text import Windows, bundled_text, pack_windows
+from layerdrop.windows import Sampling, Windows, draw_windows
 
 DEFAULT_SAMPLES = 64
 DEFAULT_SEQ_LEN = 256
 KINDS = ("attn", "mlp", "block")
 
 
-def windows_for(folder: Path, text: Path | None, *, part: str, samples: int | None, seq_len: int,
-                from_end: bool = False) -> Windows:
-    """Packed windows of `text` (default: the bundled `part` text) with the folder's tokenizer."""
+def windows_for(folder: Path, text: Path | None, *, role: str, samples: int | None, seq_len: int,
+                sampling: Sampling = Sampling(), calibration_sha256: str | None = None) -> Windows:
+    """Windows of `text` (default: the bundled text of the role) for `role`, with the folder's tokenizer and
+    context length (see `layerdrop.windows.draw_windows`)."""
     limit = model_folder.config(folder).get("max_position_embeddings")
-    return pack_windows(folder, Path(text) if text else bundled_text(part), seq_len=seq_len, samples=samples,
-                        max_positions=limit, from_end=from_end)
+    return draw_windows(folder, text, role=role, samples=samples, seq_len=seq_len, sampling=sampling,
+                        max_positions=limit, calibration_sha256=calibration_sha256)
+
+
+def calibration_sha256(model: ir.Model) -> str | None:
+    """The SHA-256 of the text the model's scores came from (None for an unscored model)."""
+    from layerdrop.passes.attach_scores import CALIBRATION_KEY
+
+    try:
+        return json.loads(model.metadata_props.get(CALIBRATION_KEY, "null") or "null").get("sha256")
+    except (AttributeError, json.JSONDecodeError):
+        return None
 
 
 def score(
@@ -43,6 +54,7 @@ def score(
     calib: Path | None = None,
     samples: int = DEFAULT_SAMPLES,
     seq_len: int = DEFAULT_SEQ_LEN,
+    sampling: Sampling = Sampling(),
     batch_size: int = 1,
     provider: str = "cpu",
     threads: int | None = None,
@@ -61,7 +73,7 @@ def score(
     if out_dir is not None:
         model_folder.reserve_output(Path(out_dir), inputs=[folder.path], force=force)
     annotated_regions(model)
-    windows = windows_for(folder.path, calib, part="calib", samples=samples, seq_len=seq_len)
+    windows = windows_for(folder.path, calib, role="calib", samples=samples, seq_len=seq_len, sampling=sampling)
     scores = compute_scores(model, folder.path, windows, batch_size=batch_size, provider=provider,
                             threads=threads, progress=progress)
     run_passes(model, [AttachScoresPass(scores, windows.source)])
@@ -114,6 +126,7 @@ def drop(
     calib: Path | None = None,
     samples: int = DEFAULT_SAMPLES,
     seq_len: int = DEFAULT_SEQ_LEN,
+    sampling: Sampling = Sampling(),
     provider: str = "cpu",
     threads: int | None = None,
     force: bool = False,
@@ -159,7 +172,7 @@ def drop(
             label = "joint" if len(kinds) > 1 else kinds[0]
             passes.append(DropBranchesPass(select_lowest(rows, kinds, count), reason=f"{label}-{count} one-shot"))
     else:
-        windows = windows_for(folder.path, calib, part="calib", samples=samples, seq_len=seq_len)
+        windows = windows_for(folder.path, calib, role="calib", samples=samples, seq_len=seq_len, sampling=sampling)
         for kinds, count in _selection_kinds(counts):
             drop_iteratively(model, folder.path, windows, kinds, count, provider, threads, progress)
     run_passes(model, [*passes, *rewrite_passes([], {}, "", fuse=fuse)])
@@ -202,9 +215,10 @@ def harp(
     alphas: dict[int, float] | None = None,
     top: int | None = None,
     search: bool = False,
-    eval_text: Path | None = None,
+    search_text: Path | None = None,
     samples: int = 8,
     seq_len: int = DEFAULT_SEQ_LEN,
+    sampling: Sampling = Sampling(),
     provider: str = "cpu",
     threads: int | None = None,
     force: bool = False,
@@ -214,7 +228,8 @@ def harp(
     """Replace attention by the rescaled V·O map (SPEC §4) in chosen layers, and write the folder.
 
     Either explicit `alphas` (layer -> alpha), or `top` K layers with `search` (greedy, top-down, over
-    {0, 0.1, ..., 1}, by perplexity on `eval_text`), or `top` K with alpha = 1.
+    {0, 0.1, ..., 1}, by perplexity on search windows of `search_text`, default the bundled calibration text), or
+    `top` K with alpha = 1.
 
     Returns:
         {"alphas": {...}, "trials": [...], "search_seconds": s, "kv_layers": [...]}
@@ -240,7 +255,8 @@ def harp(
             raise LayerdropError(f"--top {top} is out of range: the model has {len(attention)} attention layers")
         layers = attention[::-1][:top]
         if search:
-            windows = windows_for(folder.path, eval_text, part="calib", samples=samples, seq_len=seq_len)
+            windows = windows_for(folder.path, search_text, role="search", samples=samples, seq_len=seq_len,
+                                  sampling=sampling, calibration_sha256=calibration_sha256(model))
             start = time.perf_counter()
             found = greedy_alpha_search(model, folder.path, windows.ids, layers, progress=progress,
                                         provider=provider, threads=threads)
@@ -286,12 +302,14 @@ def evaluate(
     text: Path | None = None,
     samples: int | None = 32,
     seq_len: int = DEFAULT_SEQ_LEN,
+    sampling: Sampling = Sampling(),
     batch_size: int = 1,
     provider: str = "cpu",
     threads: int | None = None,
     progress: bool = True,
 ) -> dict:
-    """Perplexity of a model folder on packed windows of `text` (default: the bundled evaluation text).
+    """Perplexity of a model folder on evaluation windows of `text` (default: the bundled evaluation text); when
+    `text` is the model's calibration text, the windows come from its evaluation part.
 
     Returns:
         {"perplexity", "nll", "tokens", "text": {...}}
@@ -299,8 +317,9 @@ def evaluate(
     from layerdrop.runtime.evaluate import perplexity
     from layerdrop.runtime.session import make_session
 
-    folder, _ = model_folder.load(model_path)  # validates the folder and its external data before ORT reads it
-    windows = windows_for(folder.path, text, part="eval", samples=samples, seq_len=seq_len)
+    folder, model = model_folder.load(model_path)  # validates the folder and its external data before ORT reads it
+    windows = windows_for(folder.path, text, role="eval", samples=samples, seq_len=seq_len, sampling=sampling,
+                          calibration_sha256=calibration_sha256(model))
     session = make_session(folder.onnx_path, provider=provider, threads=threads)
     result = perplexity(session, windows.ids, batch_size=batch_size, progress=progress)
     return {"perplexity": result.perplexity, "nll": result.nll, "tokens": result.tokens, "text": windows.source}
@@ -409,11 +428,11 @@ def generate_text(model_path: Path, prompt: str, max_new_tokens: int, *, provide
     """Greedy continuation of `prompt` (tokenized with the folder's tokenizer), decoded back to text."""
     from layerdrop.runtime.generate import greedy_generate
     from layerdrop.runtime.session import make_session
-    from layerdrop.runtime.text import load_tokenizer
+    from layerdrop.windows import load_tokenizer
 
     folder = model_folder.resolve(model_path)
     tokenizer = load_tokenizer(folder.path)
-    ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+    ids = tokenizer.encode(prompt, special=True)  # as the model is used: with its BOS where the tokenizer adds one
     if not ids:
         raise LayerdropError("--prompt is empty after tokenization; give some text")
     eos = model_folder.config(folder.path).get("eos_token_id")
@@ -562,6 +581,18 @@ def attention_count_for(kind: str, value: float, seq: int | None, folder: Path, 
                          f"(all {layers} layers give {total / max(total - saved, 1e-9):.2f}x)")
 
 
+def _check_disjoint_from_start(folder: Path, calib: Path | None, samples: int, search_samples: int, seq_len: int,
+                               sampling: Sampling) -> None:
+    """With --from-start, the first `samples` windows calibrate and the last `search_samples` search: refuse a text
+    too short for both."""
+    try:
+        windows_for(folder, calib, role="calib", samples=samples + search_samples, seq_len=seq_len, sampling=sampling)
+    except LayerdropError:
+        raise LayerdropError(f"with --from-start the calibration text must hold {samples} calibration and "
+                             f"{search_samples} search windows of {seq_len} tokens apart; use a longer text, fewer "
+                             "--samples, or leave out --from-start") from None
+
+
 def plan(
     model_path: Path,
     out_dir: Path,
@@ -573,6 +604,7 @@ def plan(
     search_samples: int = 8,
     eval_samples: int = 32,
     seq_len: int = DEFAULT_SEQ_LEN,
+    sampling: Sampling = Sampling(),
     extra: int = 4,
     shift: bool = True,
     provider: str = "cpu",
@@ -582,9 +614,10 @@ def plan(
 ) -> dict:
     """Plan the best set of attention drops/bypasses for a budget and write the chosen model (see planner).
 
-    The search text is the end of `calib` (disjoint from the scoring windows at its start); the comparison table
-    is measured on `eval_text`, which the search never sees. With `shift`, the planner's moves carry the mean
-    shift, whose means come from the start of `calib` (`branch_means`); the other methods are the papers' own.
+    The search windows come from the search part of `calib` (disjoint from its calibration windows); the comparison
+    table is measured on `eval_text`, which the search never sees (its evaluation part, if it is `calib` itself).
+    With `shift`, the planner's moves carry the mean shift, whose means come from calibration windows of `calib`
+    (`branch_means`); the other methods are the papers' own.
 
     Returns:
         {"budget", "attention_layers", "pick": {...}, "methods": [{"method", "alphas", "shift", "search_ppl",
@@ -607,13 +640,20 @@ def plan(
     started = time.perf_counter()
     rows = read_scores(model, regions)
     if not rows:
-        rows = score(folder.path, None, calib=calib, samples=samples, seq_len=seq_len, provider=provider,
-                     threads=threads, progress=progress)["regions"]
+        rows = score(folder.path, None, calib=calib, samples=samples, seq_len=seq_len, sampling=sampling,
+                     provider=provider, threads=threads, progress=progress)["regions"]
     scores = {r["layer"]: r["score"] for r in rows if r["kind"] == "attn"}
     count = attention_count_for(kind, value, seq, folder.path, scores, threads)
     session_args = {"provider": provider, "threads": threads}
-    search = windows_for(folder.path, calib, part="calib", samples=search_samples, seq_len=seq_len, from_end=True)
-    held_out = windows_for(folder.path, eval_text, part="eval", samples=eval_samples, seq_len=seq_len)
+    calib_windows = windows_for(folder.path, calib, role="calib", samples=min(samples, 16), seq_len=seq_len,
+                                sampling=sampling)
+    calib_sha = calib_windows.source["sha256"]
+    search = windows_for(folder.path, calib, role="search", samples=search_samples, seq_len=seq_len,
+                         sampling=sampling, calibration_sha256=calib_sha)
+    if sampling.from_start:  # the search windows are the text's last ones: they must not reach the first ones
+        _check_disjoint_from_start(folder.path, calib, samples, search_samples, seq_len, sampling)
+    held_out = windows_for(folder.path, eval_text, role="eval", samples=eval_samples, seq_len=seq_len,
+                           sampling=sampling, calibration_sha256=calib_sha)
 
     def measure(alphas: dict[int, float], means: dict | None) -> tuple[float, float]:
         candidate = model_folder.copy_model(model)
@@ -626,7 +666,6 @@ def plan(
     methods: dict[str, dict[int, float]] = {
         "paper 1: one-shot drop of the lowest scores": dict.fromkeys(lowest, 0.0)}
     scratch = model_folder.copy_model(model)
-    calib_windows = windows_for(folder.path, calib, part="calib", samples=min(samples, 16), seq_len=seq_len)
     drop_iteratively(scratch, folder.path, calib_windows, ("attn",), count, provider, threads, progress)
     methods["paper 1: iterative drop"] = {e["layer"]: 0.0 for e in removed_modules(scratch)}
     methods["HARP: top layers, searched alphas"] = bypass_search(model, folder.path, search.ids, top,
@@ -635,7 +674,7 @@ def plan(
                                                                        progress=progress, **session_args)
     means = None
     if shift:
-        means = branch_means(model, folder.path, calib_windows.ids, candidate_pool(scores, count, extra),
+        means = branch_means(model, folder.path, calib_windows, candidate_pool(scores, count, extra),
                              **session_args)
     planned = plan_attention(model, folder.path, search.ids, scores, count, extra=extra, means=means,
                              progress=progress, **session_args)

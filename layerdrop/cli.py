@@ -32,12 +32,30 @@ def _output(parser: argparse.ArgumentParser, required: bool = True) -> None:
     parser.add_argument("--force", action="store_true", help="replace a non-empty output folder")
 
 
-def _text_options(parser: argparse.ArgumentParser, flag: str, what: str) -> None:
+def _text_options(parser: argparse.ArgumentParser, flag: str | None, what: str, samples: int | None = None) -> None:
+    """A text flag with its window count and length (when `flag`), and how windows are taken from texts."""
     from layerdrop.api import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN
 
-    parser.add_argument(flag, type=Path, default=None, help=f"UTF-8 {what} text (default: the bundled text)")
-    parser.add_argument("--samples", type=parse_count, default=DEFAULT_SAMPLES, help="windows to use")
-    parser.add_argument("--seq-len", type=parse_count, default=DEFAULT_SEQ_LEN, help="tokens per window")
+    if flag:
+        parser.add_argument(flag, type=Path, default=None, help=f"{what} text: a UTF-8 file, a .jsonl file or a "
+                            "folder of them (default: the bundled text)")
+        parser.add_argument("--samples", type=parse_count, default=samples or DEFAULT_SAMPLES, help="windows to use")
+        parser.add_argument("--seq-len", type=parse_count, default=DEFAULT_SEQ_LEN,
+                            help="text tokens per window (a BOS comes first where the tokenizer adds one)")
+    _sampling_options(parser)
+
+
+def _sampling_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--seed", type=int, default=0, help="which windows are drawn across the text (default 0)")
+    parser.add_argument("--from-start", action="store_true",
+                        help="consecutive windows from the start of each text instead of windows spread across it")
+    parser.add_argument("--text-field", default="text", help="the field that holds the text in JSON Lines files")
+
+
+def _sampling(args):
+    from layerdrop.windows import Sampling
+
+    return Sampling(seed=args.seed, from_start=args.from_start, text_field=args.text_field)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("export", help="export a HF model folder or GGUF file (default: SmolLM2-135M) to ONNX")
-    p.add_argument("model", nargs="?", type=Path, help="HF model folder or .gguf file (default: SmolLM2-135M)")
+    p.add_argument("model", nargs="?", type=Path, help="HF model folder, .gguf file, or a known model: "
+                   "smollm2-135m (the default), gemma3-270m")
     _output(p)
     p.add_argument("--no-kv-cache", action="store_true", help="export without KV-cache inputs/outputs")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
@@ -86,9 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--alpha", type=parse_alphas, metavar="LAYER=A,...", help="explicit alphas, e.g. 29=0.8,28=0.2")
     p.add_argument("--top", type=parse_count, metavar="K", help="bypass the top K attention layers")
     p.add_argument("--search", action="store_true", help="search alphas greedily top-down (needs --top)")
-    p.add_argument("--eval", type=Path, default=None, help="held-out text for the search (default: bundled)")
-    p.add_argument("--samples", type=parse_count, default=8, help="windows of held-out text for the search")
-    p.add_argument("--seq-len", type=parse_count, default=256)
+    _text_options(p, "--search-text", "search (its search part, if it is the calibration text)", samples=8)
     p.add_argument("--json", type=Path, help="write the alphas and every perplexity tried as JSON")
     p.add_argument("--fuse", action="store_true", help="apply ONNX Runtime fusions after the rewrite")
     _common(p)
@@ -96,9 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="perplexity (and greedy generations) of one model or two side by side")
     p.add_argument("model", type=Path)
     p.add_argument("--vs", type=Path, help="a second model evaluated on the same windows")
-    p.add_argument("--text", type=Path, default=None, help="UTF-8 evaluation text (default: the bundled text)")
-    p.add_argument("--samples", type=parse_count, default=32)
-    p.add_argument("--seq-len", type=parse_count, default=256)
+    _text_options(p, "--text", "evaluation", samples=32)
     p.add_argument("--batch", type=parse_count, default=None, help="sequences per run (default 1; 8 with --tasks)")
     p.add_argument("--prompt", help="also show greedy generations for this prompt (uses the KV cache)")
     p.add_argument("--max-new-tokens", type=parse_count, default=32)
@@ -131,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true")
 
     p = sub.add_parser("pipeline", help="export -> score -> drop -> eval -> bench on one model (default SmolLM2)")
-    p.add_argument("model", nargs="?", type=Path, help="HF folder, .gguf or ONNX folder (default: SmolLM2-135M)")
+    p.add_argument("model", nargs="?", type=Path, help="HF folder, .gguf, ONNX folder, or a known model: "
+                   "smollm2-135m (the default), gemma3-270m")
     p.add_argument("-o", "--output", type=Path, default=Path("out/pipeline"))
     p.add_argument("--calib", type=Path)
     p.add_argument("--eval", type=Path)
@@ -146,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="skip stages whose output matches their inputs")
     p.add_argument("--force", action="store_true", help="redo every stage in a non-empty OUTDIR")
     p.add_argument("--fuse", action="store_true", help="apply ONNX Runtime fusions to the rewritten model")
+    _sampling_options(p)
     _common(p)
 
     p = sub.add_parser("plan", help="for a budget, choose which attention layers go and how (drop or bypass)")
@@ -162,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-shift", dest="shift", action="store_false",
                    help="search the papers' moves only (keep, drop, V·O bypass), without the mean shift")
     p.add_argument("--json", type=Path)
+    _sampling_options(p)
     _common(p)
     return parser
 
@@ -187,12 +205,12 @@ def cmd_score(args) -> int:
     from layerdrop import api
 
     result = api.score(args.model, args.output, calib=args.calib, samples=args.samples, seq_len=args.seq_len,
-                       batch_size=args.batch, provider=args.provider, threads=args.threads, force=args.force,
-                       progress=_progress(args))
+                       sampling=_sampling(args), batch_size=args.batch, provider=args.provider, threads=args.threads,
+                       force=args.force, progress=_progress(args))
     if args.compare:
         other = api.score(args.model, None, calib=args.compare, samples=args.samples, seq_len=args.seq_len,
-                          batch_size=args.batch, provider=args.provider, threads=args.threads,
-                          progress=_progress(args))
+                          sampling=_sampling(args), batch_size=args.batch, provider=args.provider,
+                          threads=args.threads, progress=_progress(args))
         result["compare"] = {"calibration": other["calibration"],
                              **api.rank_overlap(result["regions"], other["regions"], args.top_n)}
     _print_scores(result["regions"])
@@ -260,8 +278,9 @@ def cmd_drop(args) -> int:
     targets = parse_modules(args.drop) if args.drop else None
     counts = {k: getattr(args, k) for k in ("attn", "mlp", "block", "joint")}
     result = api.drop(args.model, args.output, targets=targets, counts=counts, iterative=args.iterative,
-                      calib=args.calib, samples=args.samples, seq_len=args.seq_len, provider=args.provider,
-                      threads=args.threads, force=args.force, progress=_progress(args), fuse=args.fuse)
+                      calib=args.calib, samples=args.samples, seq_len=args.seq_len, sampling=_sampling(args),
+                      provider=args.provider, threads=args.threads, force=args.force, progress=_progress(args),
+                      fuse=args.fuse)
     names = ", ".join(f"{e['kind']}:{e['layer']}" for e in result["dropped"])
     print(f"dropped {names}; nodes {result['nodes']['before']} -> {result['nodes']['after']}; written to {args.output}")
     _print_fusions(result["fusions"], args.fuse)
@@ -274,8 +293,9 @@ def cmd_harp(args) -> int:
     from layerdrop import api
 
     result = api.harp(args.model, args.output, alphas=args.alpha, top=args.top, search=args.search,
-                      eval_text=args.eval, samples=args.samples, seq_len=args.seq_len, provider=args.provider,
-                      threads=args.threads, force=args.force, progress=_progress(args), fuse=args.fuse)
+                      search_text=args.search_text, samples=args.samples, seq_len=args.seq_len,
+                      sampling=_sampling(args), provider=args.provider, threads=args.threads, force=args.force,
+                      progress=_progress(args), fuse=args.fuse)
     _print_fusions(result["fusions"], args.fuse)
     alphas = ", ".join(f"{layer}={alpha:g}" for layer, alpha in sorted(result["alphas"].items(), reverse=True))
     searched = f" (searched in {result['search_seconds']:.0f} s)" if result["trials"] else ""
@@ -298,11 +318,12 @@ def cmd_eval(args) -> int:
         return _eval_tasks(args)
     folders = [args.model] + ([args.vs] if args.vs else [])
     results = [api.evaluate(f, text=args.text, samples=args.samples, seq_len=args.seq_len,
-                            batch_size=args.batch or 1, provider=args.provider, threads=args.threads,
-                            progress=_progress(args)) for f in folders]
+                            sampling=_sampling(args), batch_size=args.batch or 1, provider=args.provider,
+                            threads=args.threads, progress=_progress(args)) for f in folders]
     for folder, result in zip(folders, results):
-        print(f"{str(folder):<40} perplexity {result['perplexity']:9.3f}   ({result['tokens']} predicted tokens of "
-              f"{result['text']['file']})")
+        bos = ", each window after a BOS" if result["text"].get("bos") else ""
+        print(f"{str(folder):<40} perplexity {result['perplexity']:9.3f}   ({result['tokens']} predicted tokens "
+              f"of {result['text']['file']}{bos})")
     if len(results) == 2:
         print(f"ratio {results[1]['perplexity'] / results[0]['perplexity']:.3f}")
     report = {"models": [{"path": str(f), **r} for f, r in zip(folders, results)]}
@@ -384,8 +405,8 @@ def cmd_pipeline(args) -> int:
     report = run_pipeline(args.model, args.output, calib=args.calib, eval_text=args.eval, attn=args.attn,
                           joint=args.joint, harp_top=args.harp, samples=args.samples, seq_len=args.seq_len,
                           eval_samples=args.eval_samples, bench_seq=args.seq, bench_runs=args.runs,
-                          provider=args.provider, threads=args.threads, resume=args.resume, force=args.force,
-                          progress=_progress(args), fuse=args.fuse)
+                          sampling=_sampling(args), provider=args.provider, threads=args.threads,
+                          resume=args.resume, force=args.force, progress=_progress(args), fuse=args.fuse)
     print(side_by_side(report["bench"], report["method"], report["quality"]))
     print(f"all stages and report.json are in {args.output}")
     return 0
@@ -396,7 +417,8 @@ def cmd_plan(args) -> int:
 
     result = api.plan(args.model, args.output, budget=args.budget, calib=args.calib, eval_text=args.eval,
                       samples=args.samples, search_samples=args.search_samples, eval_samples=args.eval_samples,
-                      seq_len=args.seq_len, extra=args.extra, shift=args.shift, provider=args.provider,
+                      seq_len=args.seq_len, sampling=_sampling(args), extra=args.extra, shift=args.shift,
+                      provider=args.provider,
                       threads=args.threads, force=args.force, progress=_progress(args))
     print(plan_table(result))
     print(f"pick: {result['pick']['method']}; search took {result['search_seconds']:.0f} s; written to {args.output}")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from layerdrop import api
 from layerdrop.errors import LayerdropError
+from layerdrop.windows import Sampling, TextSource
 
 STAMP = "layerdrop-stage.json"
 
@@ -23,7 +24,7 @@ def _fingerprint(*parts) -> str:
 
 
 def _file_digest(path: Path | None) -> str | None:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16] if path else None
+    return TextSource.open(path).sha256()[:16] if path else None
 
 
 def _stamp_of(folder: Path) -> str | None:
@@ -60,6 +61,7 @@ def run_pipeline(
     eval_samples: int = 32,
     bench_seq: tuple[int, ...] = (256, 1024),
     bench_runs: int = 5,
+    sampling: Sampling = Sampling(),
     provider: str = "cpu",
     threads: int | None = None,
     resume: bool = False,
@@ -93,18 +95,19 @@ def run_pipeline(
             export_folder(source, exported, kv_cache=True, force=True)
         redo |= _stage("export", exported, key, resume, export)
 
-    key = _fingerprint("score", _stamp_of(exported) or str(exported), _file_digest(calib), samples, seq_len)
+    key = _fingerprint("score", _stamp_of(exported) or str(exported), _file_digest(calib), samples, seq_len,
+                       sampling)
     redo |= _stage("score", scored, key, resume and not redo, lambda: api.score(
-        exported, scored, calib=calib, samples=samples, seq_len=seq_len, provider=provider, threads=threads,
-        force=True, progress=progress))
+        exported, scored, calib=calib, samples=samples, seq_len=seq_len, sampling=sampling, provider=provider,
+        threads=threads, force=True, progress=progress))
 
     layers = int(api.inspect(scored)["regions"][-1]["layer"]) + 1
     if harp_top is not None:
         method = f"harp-{harp_top}"
-        key = _fingerprint("harp", _stamp_of(scored), harp_top, _file_digest(calib), fuse)
+        key = _fingerprint("harp", _stamp_of(scored), harp_top, _file_digest(calib), sampling, fuse)
         _stage(method, pruned, key, resume and not redo, lambda: api.harp(
-            scored, pruned, top=harp_top, search=True, eval_text=calib, provider=provider, threads=threads,
-            force=True, progress=progress, fuse=fuse))
+            scored, pruned, top=harp_top, search=True, search_text=calib, sampling=sampling, provider=provider,
+            threads=threads, force=True, progress=progress, fuse=fuse))
     else:
         counts = {"joint": joint} if joint is not None else {"attn": attn if attn is not None else max(1, layers // 4)}
         method = "-".join(f"{k}-{v}" for k, v in counts.items())
@@ -113,8 +116,8 @@ def run_pipeline(
                lambda: api.drop(scored, pruned, counts=counts, force=True, fuse=fuse))
 
     print("[eval] ...", file=sys.stderr)
-    quality = [api.evaluate(folder, text=eval_text, samples=eval_samples, seq_len=seq_len, provider=provider,
-                            threads=threads, progress=progress) for folder in (exported, pruned)]
+    quality = [api.evaluate(folder, text=eval_text, samples=eval_samples, seq_len=seq_len, sampling=sampling,
+                            provider=provider, threads=threads, progress=progress) for folder in (exported, pruned)]
     print("[bench] ...", file=sys.stderr)
     from layerdrop.runtime.bench import compare
 

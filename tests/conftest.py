@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from layerdrop.runtime.text import bundled_text
+from layerdrop.windows import bundled_text
 from tests.torch_reference import FAMILIES, VOCAB, tiny_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -3,38 +3,26 @@ find regions, score, drop, each checked against PyTorch. Takes a few minutes on 
 
 from __future__ import annotations
 
-import hashlib
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-import transformers
 
-import layerdrop
 from layerdrop import api
-from layerdrop.export.default_model import cache_dir, default_model_folder
-from layerdrop.export.onnx_export import export_folder
+from layerdrop.export.default_model import default_model_folder
 from layerdrop.model_folder import load
 from layerdrop.passes.find_residuals import find_residual_regions
 from layerdrop.runtime.generate import greedy_generate
 from layerdrop.runtime.scoring import compute_scores
-from layerdrop.runtime.text import Windows, bundled_text, pack_windows
+from layerdrop.windows import Sampling, Windows, bundled_text
 from tests.helpers import ort_logits, session
+from tests.real_models import cached_export, float64_model
 from tests.torch_reference import greedy, hook_scores, logits, planned, replaced
 
 pytestmark = pytest.mark.slow
 # SmolLM2's logits reach about 20; PyTorch's own float32 paths differ from each other by about 1e-4 there, so
 # the reference is the same model run in float64 (SPEC §5 tolerance: max abs logit difference 1e-4).
 ATOL = 1e-4
-
-
-def _export_key() -> str:
-    sources = sorted((Path(layerdrop.__file__).parent / "export").glob("*.py"))
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources))
-    digest.update(f"{torch.__version__} {transformers.__version__}".encode())
-    return digest.hexdigest()[:16]
 
 
 @pytest.fixture(scope="session")
@@ -44,23 +32,17 @@ def smollm2_hf() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_kv(smollm2_hf) -> Path:
-    """The KV-cache export of the default model, cached per export-code version between test runs."""
-    out = cache_dir() / "test-exports" / f"smollm2-kv-{_export_key()}"
-    if not (out / "model.onnx").is_file():
-        for stale in out.parent.glob("smollm2-kv-*"):  # exports made by older export code
-            shutil.rmtree(stale, ignore_errors=True)
-        export_folder(None, out, kv_cache=True, force=True)
-    return out
+    return cached_export("smollm2-135m")
 
 
 @pytest.fixture(scope="session")
 def torch_model(smollm2_hf):
-    return transformers.AutoModelForCausalLM.from_pretrained(smollm2_hf, dtype=torch.float64).eval()
+    return float64_model("smollm2-135m")
 
 
 @pytest.fixture(scope="session")
 def real_windows(smollm2_kv) -> np.ndarray:
-    return pack_windows(smollm2_kv, bundled_text("eval"), seq_len=64, samples=2).ids
+    return api.windows_for(smollm2_kv, None, role="eval", samples=2, seq_len=64, sampling=Sampling(from_start=True)).ids
 
 
 def test_default_model_is_smollm2_with_grouped_query_attention(torch_model):
@@ -149,7 +131,22 @@ def test_default_model_plan_honours_the_budget_and_matches_torch(smollm2_kv, tor
     assert len(api.inspect(tmp_path / "plan")["kv_layers"]) == 28
     assert result["pick"]["search_ppl"] == min(row["search_ppl"] for row in result["methods"])
     alphas = {int(k): v for k, v in result["pick"]["alphas"].items()}
-    windows = api.windows_for(smollm2_kv, None, part="calib", samples=4, seq_len=64).ids  # the planner's means
+    windows = api.windows_for(smollm2_kv, None, role="calib", samples=4, seq_len=64)  # the planner's means
     reference = planned(torch_model, alphas, windows if result["pick"]["shift"] else None)
     got = ort_logits(tmp_path / "plan", real_windows[:1])
     np.testing.assert_allclose(got, logits(reference, real_windows[:1]), atol=ATOL, rtol=0)
+
+
+def test_smollm2_adds_no_bos_and_its_figures_from_the_start_are_unchanged(smollm2_kv):
+    """SmolLM2's tokenizer adds no BOS: from the start, its windows are the text's tokens cut in 256s exactly as
+    layerdrop packed them before BOS handling existed, and its held-out perplexity is the published 38.03."""
+    from tokenizers import Tokenizer
+
+    from_start = Sampling(from_start=True)
+    got = api.windows_for(smollm2_kv, None, role="eval", samples=32, seq_len=256, sampling=from_start)
+    text = bundled_text("eval").read_text(encoding="utf-8")
+    ids = Tokenizer.from_file(str(smollm2_kv / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+    np.testing.assert_array_equal(got.ids, np.array(ids[:32 * 256]).reshape(32, 256))
+    assert not got.bos and got.source["bos"] is False
+    result = api.evaluate(smollm2_kv, samples=32, seq_len=256, sampling=from_start, progress=False)
+    assert result["tokens"] == 32 * 255 and round(result["perplexity"], 2) == 38.03

@@ -43,7 +43,7 @@ def test_exported_graph_signature_and_metadata(exported, family):
     assert [o.name for o in plain.graph.output] == ["logits"]
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3", "qwen3"])
 def test_decode_step_with_past_equals_full_sequence(exported, family, rng):
     sess = session(exported(family, True))
     ids = rng.randint(0, VOCAB, size=(1, 9))

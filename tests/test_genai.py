@@ -23,7 +23,6 @@ from layerdrop.runtime.feeds import prefill_feed
 from layerdrop.runtime.genai import genai_greedy, run_builder
 from layerdrop.runtime.generate import greedy_generate
 from layerdrop.runtime.session import make_session
-from layerdrop.runtime.text import bundled_text, pack_windows
 from tests.helpers import ort_logits
 from tests.torch_reference import VOCAB, hook_scores, logits, replaced
 
@@ -82,7 +81,7 @@ def test_regions_come_from_structure_not_names(built, tmp_path):
 
 def test_scores_on_builder_graph_equal_torch_hooks(built, torch_model, tmp_path):
     result = api.score(built, tmp_path / "scored", samples=3, seq_len=24, progress=False)
-    windows = pack_windows(built, bundled_text("calib"), seq_len=24, samples=3).ids
+    windows = api.windows_for(built, None, role="calib", samples=3, seq_len=24).ids
     reference = hook_scores(torch_model.double(), windows)
     torch_model.float()
     for row in result["regions"]:

@@ -32,7 +32,7 @@ def test_harp_matches_torch_vo_map(exported, family, tmp_path, rng):
     np.testing.assert_allclose(ort_logits(out, ids), reference, atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3", "gemma2", "gemma3", "qwen3"])
 def test_harp_kv_graph_prefill_and_ten_decode_steps(exported, family, tmp_path, rng):
     out = tmp_path / "harp"
     result = api.harp(exported(family, True), out, alphas=ALPHAS)
@@ -77,7 +77,7 @@ def test_greedy_search_picks_the_best_alpha_and_the_suffix_graph_is_exact(export
         assert result["alphas"][layer] == best["alpha"]
     # The last trial of the chosen alpha, computed on a suffix graph from cached hidden states, equals the
     # perplexity of the whole rewritten model on the same windows.
-    windows = api.windows_for(out, None, part="calib", samples=2, seq_len=32).ids
+    windows = api.windows_for(out, None, role="search", samples=2, seq_len=32).ids
     full = perplexity(make_session(out / "model.onnx"), windows).perplexity
     chosen = next(t for t in result["trials"] if t["layer"] == 2 and t["alpha"] == result["alphas"][2])
     assert full == pytest.approx(chosen["perplexity"], rel=1e-5)

@@ -48,8 +48,8 @@ def test_pick_is_never_worse_than_the_other_methods_on_the_search_text(planned):
 def test_planned_model_equals_torch_reference_for_the_chosen_moves(planned, exported, rng):
     out, result = planned
     alphas = {int(k): v for k, v in result["pick"]["alphas"].items()}
-    # the planner's means come from the start of the calibration text
-    windows = api.windows_for(exported("llama", True), None, part="calib", samples=4, seq_len=32).ids
+    # the planner's means come from calibration windows of the calibration text
+    windows = api.windows_for(exported("llama", True), None, role="calib", samples=4, seq_len=32)
     ids = rng.randint(0, VOCAB, size=(1, 10))
     reference_model = planned_reference(tiny_model("llama"), alphas, windows if result["pick"]["shift"] else None)
     reference = logits(reference_model, ids)

@@ -10,7 +10,6 @@ import torch
 
 from layerdrop import api
 from layerdrop.cli import main
-from layerdrop.runtime.text import bundled_text, pack_windows
 from tests.torch_reference import tiny_model
 
 
@@ -26,11 +25,11 @@ def _torch_perplexity(model, windows: np.ndarray) -> float:
     return float(np.exp(total / count))
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3"])
 def test_eval_perplexity_equals_torch(exported, family):
     folder = exported(family, True)
     result = api.evaluate(folder, samples=3, seq_len=48, progress=False)
-    windows = pack_windows(folder, bundled_text("eval"), seq_len=48, samples=3).ids
+    windows = api.windows_for(folder, None, role="eval", samples=3, seq_len=48).ids
     assert result["tokens"] == 3 * 47
     assert result["perplexity"] == pytest.approx(_torch_perplexity(tiny_model(family), windows), rel=1e-4)
 

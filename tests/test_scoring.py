@@ -13,7 +13,7 @@ from layerdrop.cli import main
 from layerdrop.errors import LayerdropError
 from layerdrop.model_folder import load
 from layerdrop.runtime.scoring import calibration_model, compute_scores
-from layerdrop.runtime.text import Windows, bundled_text
+from layerdrop.windows import Sampling, Windows, bundled_text
 from tests.conftest import ALL_FAMILIES
 from tests.torch_reference import VOCAB, hook_scores, tiny_model
 
@@ -69,11 +69,12 @@ def test_score_command_writes_scored_folder_and_json(exported, tmp_path, capsys)
 
 
 def test_scores_come_from_the_calibration_windows(exported, tiny_tokenizer_file):
-    """The score equals the hook computation on exactly the packed windows of the text (no special tokens)."""
+    """From the start, the score equals the hook computation on exactly the first windows of the whole text's
+    tokens (no special tokens)."""
     from tokenizers import Tokenizer
 
     folder = exported("qwen2", False)
-    result = api.score(folder, None, samples=3, seq_len=40, progress=False)
+    result = api.score(folder, None, samples=3, seq_len=40, sampling=Sampling(from_start=True), progress=False)
     ids = Tokenizer.from_file(str(tiny_tokenizer_file)).encode(
         bundled_text("calib").read_text(), add_special_tokens=False).ids
     windows = np.array(ids[:120]).reshape(3, 40)
@@ -97,5 +98,8 @@ def test_compare_reports_rank_overlap(exported, tmp_path, capsys):
 def test_text_too_short_says_how_many_windows_it_holds(exported, tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("A short text. " * 20)
-    with pytest.raises(LayerdropError, match=r"windows of 64; asked for 50"):
+    with pytest.raises(LayerdropError, match=r"too little text for 50 windows of 64 tokens .*\(1 fit\)"):
         api.score(exported("llama", False), None, calib=short, samples=50, seq_len=64, progress=False)
+    with pytest.raises(LayerdropError, match=r"holds \d+ tokens = \d windows of 64; asked for 50"):
+        api.score(exported("llama", False), None, calib=short, samples=50, seq_len=64,
+                  sampling=Sampling(from_start=True), progress=False)

@@ -12,18 +12,19 @@ from layerdrop.passes.cleanup import run_passes
 from layerdrop.passes.find_residuals import find_residual_regions
 from layerdrop.runtime.alpha_search import branch_means
 from layerdrop.runtime.generate import greedy_generate
+from layerdrop.windows import Windows
 from tests.helpers import ort_logits, session
 from tests.torch_reference import VOCAB, greedy, logits, planned, replaced, tiny_model
 from tests.torch_reference import branch_means as torch_branch_means
 
 ALPHAS = {3: 0.6, 2: 0.0, 1: 0.3}  # 2: replaced by its mean
-FAMILIES = ["llama", "qwen2", "gemma2", "phi3"]
+FAMILIES = ["llama", "qwen2", "gemma2", "phi3", "gemma3", "qwen3"]
 
 
 def _shifted(exported, family, tmp_path, rng, kv_cache=True):
     """(output folder, reference model): ORT rewrite with ORT means; PyTorch reference with hook means."""
     folder, model = load(exported(family, kv_cache))
-    windows = rng.randint(0, VOCAB, size=(3, 16))
+    windows = Windows(rng.randint(0, VOCAB, size=(3, 16)), {})
     means = branch_means(model, folder.path, windows, sorted(ALPHAS))
     run_passes(model, api.rewrite_passes([], ALPHAS, "test", means=means))
     out = tmp_path / "shifted"
@@ -35,7 +36,7 @@ def _shifted(exported, family, tmp_path, rng, kv_cache=True):
 def test_branch_means_equal_torch_hooks(exported, family, rng):
     folder, model = load(exported(family, True))
     windows = rng.randint(0, VOCAB, size=(3, 16))
-    ours = branch_means(model, folder.path, windows, [0, 2, 3])
+    ours = branch_means(model, folder.path, Windows(windows, {}), [0, 2, 3])
     reference = torch_branch_means(tiny_model(family), windows, [0, 2, 3])
     assert set(ours) == {0, 2, 3}
     for layer in ours:
@@ -53,7 +54,7 @@ def test_mean_shifted_bypass_equals_torch(exported, family, tmp_path, rng):
     assert np.abs(plain - logits(reference_model, ids)).max() > 1e-3, "the shift must change the model"
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3"])
 def test_mean_shifted_kv_graph_decodes_like_torch_and_drops_the_cache(exported, family, tmp_path, rng):
     out, reference_model = _shifted(exported, family, tmp_path, rng)
     assert api.inspect(out)["kv_layers"] == [0]
@@ -101,7 +102,7 @@ def test_planner_search_graph_equals_the_rewritten_models(exported, family, rng)
 
     folder, model = load(exported(family, True))
     windows = rng.randint(0, VOCAB, size=(2, 16))
-    means = branch_means(model, folder.path, windows, [1, 2, 3])
+    means = branch_means(model, folder.path, Windows(windows, {}), [1, 2, 3])
     for shifted in (False, True):
         gated = GatedSuffix(model, folder.path, windows, [1, 2, 3], means if shifted else None)
         for moves in ({3: 0.5}, {2: 0.0, 3: 1.0}, {1: 0.3, 2: 0.0}, {1: 0.0, 2: 0.7, 3: 0.2}):

@@ -1,4 +1,4 @@
-"""Independent PyTorch references: tiny models of five families, modules replaced by identity, hook scores."""
+"""Independent PyTorch references: tiny models of seven families, modules replaced by identity, hook scores."""
 
 from __future__ import annotations
 
@@ -29,6 +29,12 @@ FAMILIES = {
         **{**_COMMON, "tie_word_embeddings": True}, head_dim=8, sliding_window=256, query_pre_attn_scalar=8
     ),
     "phi3": lambda: transformers.Phi3Config(**_COMMON, pad_token_id=0),
+    # Gemma-3 text: q/k norms, pre- and post-norms around both branches, query scaling, and local layers with a
+    # sliding window shorter than the test sequences next to a global one
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **{**_COMMON, "tie_word_embeddings": True}, head_dim=8, query_pre_attn_scalar=16, sliding_window=6,
+        layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"]),
+    "qwen3": lambda: transformers.Qwen3Config(**_COMMON, head_dim=8),
 }
 
 
@@ -120,10 +126,12 @@ class _Scaled(torch.nn.Module):
         return self.alpha * self.inner(x) + self.shift
 
 
-def branch_means(model: torch.nn.Module, windows: np.ndarray, layers) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """Per layer, the means over all tokens of `windows` of the attention branch output (after a post-attention
-    norm, if any) and of the same branch with attention replaced by the unscaled V·O map, both on the
-    unmodified model's hidden states."""
+def branch_means(model: torch.nn.Module, windows: np.ndarray, layers, skip_first: bool = False
+                 ) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Per layer, the means over all tokens of `windows` (but position 0 with `skip_first`: a BOS) of the
+    attention branch output (after a post-attention norm, if any) and of the same branch with attention replaced
+    by the unscaled V·O map, both on the unmodified model's hidden states."""
+    first = 1 if skip_first else 0
     sums = {layer: [0.0, 0.0] for layer in layers}
     handles = []
     for index in layers:
@@ -136,6 +144,7 @@ def branch_means(model: torch.nn.Module, windows: np.ndarray, layers) -> dict[in
             if post is not None:
                 branch, bypass = post(branch), post(bypass)
             for slot, value in enumerate((branch, bypass)):
+                value = value[:, first:]
                 sums[index][slot] = sums[index][slot] + value.double().reshape(-1, value.shape[-1]).sum(0)
 
         handles.append(layer.self_attn.register_forward_hook(hook, with_kwargs=True))
@@ -146,7 +155,7 @@ def branch_means(model: torch.nn.Module, windows: np.ndarray, layers) -> dict[in
     finally:
         for handle in handles:
             handle.remove()
-    tokens = windows.shape[0] * windows.shape[1]
+    tokens = windows.shape[0] * (windows.shape[1] - first)
     return {layer: (pair[0].numpy() / tokens, pair[1].numpy() / tokens) for layer, pair in sums.items()}
 
 
@@ -169,8 +178,9 @@ def greedy(model: torch.nn.Module, ids: np.ndarray, steps: int) -> tuple[list[in
     return tokens, step_logits
 
 
-def hook_scores(model: torch.nn.Module, windows: np.ndarray) -> dict[tuple[str, int], float]:
-    """SPEC §2 scores from forward hooks: X before each norm, Y after each residual Add, float64 cosine."""
+def hook_scores(model: torch.nn.Module, windows: np.ndarray, skip_first: bool = False) -> dict[tuple[str, int], float]:
+    """SPEC §2 scores from forward hooks: X before each norm, Y after each residual Add, float64 cosine; with
+    `skip_first`, position 0 (a BOS) is left out of the average."""
     captured: dict[tuple[str, int], list[torch.Tensor]] = {}
     handles = []
     for i, layer in enumerate(model.model.layers):
@@ -192,8 +202,8 @@ def hook_scores(model: torch.nn.Module, windows: np.ndarray) -> dict[tuple[str, 
         handle.remove()
 
     def distance(x_key, y_key):
-        x = torch.cat(captured[x_key]).double()
-        y = torch.cat(captured[y_key]).double()
+        x = torch.cat(captured[x_key]).double()[:, 1 if skip_first else 0:]
+        y = torch.cat(captured[y_key]).double()[:, 1 if skip_first else 0:]
         return float((1 - torch.nn.functional.cosine_similarity(x, y, dim=-1)).mean())
 
     scores = {}
@@ -204,12 +214,12 @@ def hook_scores(model: torch.nn.Module, windows: np.ndarray) -> dict[tuple[str, 
     return scores
 
 
-def planned(model: torch.nn.Module, alphas: dict[int, float], shift_windows: np.ndarray | None = None
-            ) -> torch.nn.Module:
-    """The reference for a plan's moves: HARP maps (alpha 0: dropped), or, with `shift_windows`, mean-shifted maps
-    whose constants m_B - alpha * m_P come from `branch_means` over those windows."""
+def planned(model: torch.nn.Module, alphas: dict[int, float], shift_windows=None) -> torch.nn.Module:
+    """The reference for a plan's moves: HARP maps (alpha 0: dropped), or, with `shift_windows` (layerdrop's
+    Windows: their ids, and whether column 0 is a BOS), mean-shifted maps whose constants m_B - alpha * m_P come
+    from `branch_means` over those windows."""
     if shift_windows is None:
         return replaced(model, [("attn", layer) for layer, alpha in alphas.items() if alpha == 0],
                         {layer: alpha for layer, alpha in alphas.items() if alpha > 0})
-    means = branch_means(model, shift_windows, sorted(alphas))
+    means = branch_means(model, shift_windows.ids, sorted(alphas), skip_first=shift_windows.bos)
     return replaced(model, [], alphas, {layer: m_b - alphas[layer] * m_p for layer, (m_b, m_p) in means.items()})

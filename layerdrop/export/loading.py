@@ -80,8 +80,21 @@ def _load_gguf(path: Path) -> torch.nn.Module:
         )
     except Exception as exc:  # noqa: BLE001 - the gguf reader raises many types for a damaged file
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise LayerdropError(f"cannot load GGUF file {path}: {first_line[:200]}") from None
+        architecture = _gguf_architecture(path)
+        what = f" (a {architecture} model, which transformers cannot load as a decoder LLM)" if architecture else ""
+        raise LayerdropError(f"cannot load GGUF file {path}{what}: {first_line[:200]}") from None
     return model.eval()
+
+
+def _gguf_architecture(path: Path) -> str | None:
+    """`general.architecture` from a GGUF header, or None when the header cannot be read."""
+    try:
+        import gguf
+
+        field = gguf.GGUFReader(str(path)).fields["general.architecture"]
+        return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
+    except Exception:  # noqa: BLE001 - a damaged header: the loader's own message says enough
+        return None
 
 
 def gguf_to_folder(gguf_path: Path, folder: Path) -> Path:

@@ -150,10 +150,10 @@ def export_folder(
     Raises:
         LayerdropError: bad source, refused output folder, or a model the exporter cannot trace.
     """
-    from layerdrop.export.default_model import default_model_folder
+    from layerdrop.export.default_model import resolve_source
 
     reserve_output(out_dir, inputs=[source] if source else [], force=force)
-    source = source or default_model_folder()
+    source = resolve_source(source)
     model, tokenizer_dir = load_model(source, trust_remote_code=trust_remote_code)
     print(f"layerdrop: tracing {source.name} with torch.export ({'with' if kv_cache else 'without'} KV cache); "
           "a real model takes a minute or two", file=sys.stderr)
@@ -165,7 +165,10 @@ def export_folder(
         except LayerdropError:
             raise
         except Exception as exc:  # noqa: BLE001 - torch.export fails in many ways for unsupported models
-            raise LayerdropError(f"torch.export could not trace this model: {str(exc).splitlines()[0][:300]}") from None
+            family = model.config.get_text_config(decoder=True).model_type
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            raise LayerdropError(f"torch.export could not trace this {family} model "
+                                 f"({type(model).__name__}): {reason}") from None
         if tokenizer_dir is not None:
             for name in TOKENIZER_FILES:
                 if (tokenizer_dir / name).is_file():

@@ -32,6 +32,7 @@ from layerdrop.passes.harp_bypass import (
 from layerdrop.runtime.evaluate import perplexity
 from layerdrop.runtime.feeds import prefill_feed
 from layerdrop.runtime.session import make_session
+from layerdrop.windows import Windows
 
 ALPHA_GRID = tuple(round(0.1 * i, 1) for i in range(11))
 ALPHA_INPUT = "layerdrop_alpha"
@@ -58,11 +59,11 @@ def hidden_states_at(model: ir.Model, folder: Path, windows: np.ndarray, layers:
     return {layer: np.concatenate(parts[name]) for layer, name in zip(layers, names)}
 
 
-def branch_means(model: ir.Model, folder: Path, windows: np.ndarray, layers: list[int], **session_args
+def branch_means(model: ir.Model, folder: Path, windows: Windows, layers: list[int], **session_args
                  ) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """For each attention layer, the calibration means (float64, [d]) of its branch output, m_B, and of its
     unscaled V·O bypass P (alpha 1), m_P, both on the unmodified model's hidden states (the mean shift's
-    constants, see `HarpBypassPass`).
+    constants, see `HarpBypassPass`), over the windows' text tokens (a BOS is left out).
 
     Two graphs: the model itself, returning each layer's input and branch output; and a copy where the layers
     are bypassed and each bypass reads that layer's input from the first run instead of the rewritten stream.
@@ -96,14 +97,14 @@ def branch_means(model: ir.Model, folder: Path, windows: np.ndarray, layers: lis
     first = make_session(original, folder=folder, **session_args)
     second = make_session(bypassed, folder=folder, **session_args)
     sums = {layer: [0.0, 0.0] for layer in layers}
-    for row in windows:
+    for row, real in zip(windows.ids, windows.real):
         arrays = first.run(None, prefill_feed(first, row[None]))
         states = {f"{HIDDEN_INPUT}_{layer}": arrays[2 * i] for i, layer in enumerate(layers)}
         projected = second.run(None, prefill_feed(second, row[None], extra=states))
         for i, layer in enumerate(layers):
-            sums[layer][0] += arrays[2 * i + 1].astype(np.float64).reshape(-1, arrays[2 * i + 1].shape[-1]).sum(0)
-            sums[layer][1] += projected[i].astype(np.float64).reshape(-1, projected[i].shape[-1]).sum(0)
-    tokens = windows.shape[0] * windows.shape[1]
+            sums[layer][0] += arrays[2 * i + 1][0, real].astype(np.float64).sum(0)
+            sums[layer][1] += projected[i][0, real].astype(np.float64).sum(0)
+    tokens = int(windows.real.sum())
     return {layer: (pair[0] / tokens, pair[1] / tokens) for layer, pair in sums.items()}
 
 

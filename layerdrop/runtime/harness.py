@@ -24,7 +24,7 @@ from tqdm import tqdm
 from layerdrop.runtime.feeds import prefill_feed
 from layerdrop.runtime.generate import greedy_batch, left_pad
 from layerdrop.runtime.session import make_session
-from layerdrop.runtime.text import load_tokenizer
+from layerdrop.windows import load_tokenizer
 
 DEFAULT_MAX_LENGTH = 2048
 DEFAULT_BATCH = 8
@@ -87,7 +87,7 @@ class LayerdropLM(TemplateLM):
         max_batch_size: int | None = None,
         max_length: int | None = None,
         max_gen_toks: int = 256,
-        add_bos_token: bool = False,
+        add_bos_token: bool | str | None = None,
         threads: int | None = None,
         progress: bool = True,
         **_ignored,
@@ -113,7 +113,9 @@ class LayerdropLM(TemplateLM):
         self._max_length = int(max_length or config.get("max_position_embeddings") or DEFAULT_MAX_LENGTH)
         self._max_gen_toks = int(max_gen_toks)
         self._batch = _batch_size(batch_size)
-        self.add_bos_token = str(add_bos_token).lower() in ("1", "true", "yes")
+        # None: the tokenizer's own convention, as lm-eval's `hf` model does (a BOS for Gemma, none for SmolLM2)
+        self.add_bos_token = None if add_bos_token in (None, "", "None") else str(add_bos_token).lower() in (
+            "1", "true", "yes")
         self.progress = str(progress).lower() not in ("0", "false", "no")
 
     # -- what TemplateLM asks for ----------------------------------------------------------------------------------
@@ -126,9 +128,21 @@ class LayerdropLM(TemplateLM):
     def max_length(self) -> int:
         return self._max_length
 
+    @property
+    def prefix_token_id(self) -> int:
+        """The token an empty context is conditioned on: the tokenizer's BOS if it has one, else EOS (as `hf`)."""
+        bos = self.tokenizer.declared_bos_id
+        return bos if bos is not None else self._eot
+
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **_kwargs) -> list[int]:
-        special = self.add_bos_token if add_special_tokens is None else add_special_tokens
-        return self.tokenizer.encode(string, add_special_tokens=bool(special)).ids
+        """Token ids as lm-eval's `hf` model makes them: the tokenizer's BOS convention unless `add_bos_token` or
+        `add_special_tokens` says otherwise, and no second BOS when the string already starts with it."""
+        ids = self.tokenizer.encode(string)
+        special = add_special_tokens if add_special_tokens is not None else self.add_bos_token
+        bos = self.tokenizer.bos_id if special is None else (self.tokenizer.declared_bos_id if special else None)
+        if add_special_tokens is None and bos is not None and ids[:1] == [bos]:
+            return ids  # the text already starts with the BOS
+        return [bos, *ids] if bos is not None else ids
 
     def tok_decode(self, tokens: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(tokens), skip_special_tokens=skip_special_tokens)

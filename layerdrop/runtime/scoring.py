@@ -19,7 +19,7 @@ from layerdrop.model_folder import copy_model
 from layerdrop.passes.find_residuals import ResidualRegion, find_residual_regions
 from layerdrop.runtime.feeds import prefill_feed
 from layerdrop.runtime.session import make_session
-from layerdrop.runtime.text import Windows
+from layerdrop.windows import Windows
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ def compute_scores(
 
     Args:
         model: the graph (not modified); its external weights are read from `folder` by ONNX Runtime.
-        windows: packed calibration windows; every token is real (no padding).
+        windows: calibration windows; a BOS column (context only) is left out of the averages.
 
     Returns:
         One ModuleScore per module, sorted by layer, then attn, mlp, block.
@@ -127,9 +127,9 @@ def compute_scores(
     names = [o.name for o in session.get_outputs()]
     accumulators = [_CosineAccumulator() for _ in rows]
     batches = range(0, len(windows.ids), batch_size)
+    real = windows.real
     for start in tqdm(batches, desc="scoring", unit="batch", disable=not progress, leave=False):
-        ids = windows.ids[start : start + batch_size]
-        mask = np.ones(ids.shape, dtype=bool)
+        ids, mask = windows.ids[start : start + batch_size], real[start : start + batch_size]
         outputs = dict(zip(names, session.run(names, prefill_feed(session, ids))))
         for accumulator, (_, _, x_norm2, y_norm2, dot) in zip(accumulators, rows):
             accumulator.add(outputs[x_norm2], outputs[y_norm2], outputs[dot], mask)

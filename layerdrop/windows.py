@@ -1,0 +1,614 @@
+"""Text in: calibration, search and evaluation windows from a user's texts, tokenized as the model is used.
+
+A *text source* is a UTF-8 text file, JSON Lines with a text field (`.jsonl`, or `.json` holding one object a
+line), or a folder of such files (read in sorted order, as if joined). Sources are never read whole: windows are
+read in bounded pieces, so memory and time follow the windows asked for, not the size of the file. Only the
+SHA-256 in the metadata reads every byte, in 1 MiB blocks.
+
+Two layouts:
+- **spread** (default): windows are drawn from across the whole source, seeded. Its bytes are cut into periods;
+  in each period the first 60% belong to calibration, the next 20% to search, the last 20% to evaluation, so
+  calibration, search and evaluation windows of one text never overlap, whichever commands draw them. A text
+  that is not a calibration text (an evaluation text of its own, say) is read whole by its one role. Each window
+  begins at a line start (a record start in JSON Lines).
+- **from-start**: consecutive windows from the start of the text (search windows: the last ones), as layerdrop
+  packed them before spreading existed; search from the end reads the whole text.
+
+Windows follow the model's tokenizer: where `tokenizer(text)` would start with a BOS token (the tokenizer.json
+post-processor, or `add_bos_token` in tokenizer_config.json), every window is BOS + seq_len text tokens. The BOS
+is context only: never a predicted token, and left out of score and mean averages (`Windows.real`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import codecs
+import hashlib
+import itertools
+import json
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from layerdrop.errors import LayerdropError
+
+ROLES = ("calib", "search", "eval")
+# Spread layout: a period's share per role (calib, search, eval), and its size bounds in bytes.
+ROLE_SHARES = (0.6, 0.2, 0.2)
+PERIOD_MAX = 160 * 1024
+PERIOD_MIN = 16 * 1024
+BLOCK = 1 << 20  # bytes per read
+CHUNK_CHARS = 1 << 16  # characters per tokenizer call when streaming
+LINE_CAP = 1 << 16  # bytes a line may reach beyond its run before it is cut
+DOCUMENT_JOINER = "\n\n"  # between files of a folder and between JSON Lines records
+
+
+def bundled_text(part: str) -> Path:
+    """The bundled public-domain texts: part "calib" (Persuasion) or "eval" (Northanger Abbey)."""
+    return Path(str(resources.files("layerdrop") / "data" / f"{part}.txt"))
+
+
+# -- the model's tokenizer ------------------------------------------------------------------------------------------
+
+class ModelTokenizer:
+    """A model folder's tokenizer.json, with the BOS convention of transformers' `tokenizer(text)`.
+
+    Attributes:
+        bos_id: the token `tokenizer(text)` puts first, or None when it adds none.
+        declared_bos_id: the tokenizer's BOS token whether or not it is added (lm-eval's prefix token), or None.
+
+    Raises:
+        LayerdropError: no usable tokenizer.json, or a tokenizer that declares a BOS it does not have.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        path = Path(folder) / "tokenizer.json"
+        if not path.is_file():
+            raise LayerdropError(f"{folder} has no tokenizer.json; export the model with `layerdrop export`")
+        try:
+            self.tokenizer = Tokenizer.from_file(str(path))
+        except Exception as exc:  # noqa: BLE001 - the Rust tokenizer raises a generic Exception
+            raise LayerdropError(f"{path} is not a valid tokenizer file: {str(exc)[:200]}") from None
+        config = _json_file(Path(folder) / "tokenizer_config.json")
+        declared = _token_text(config.get("bos_token"))
+        self.declared_bos_id = self.tokenizer.token_to_id(declared) if declared else None
+        wanted = config.get("add_bos_token")
+        if wanted is True:
+            if self.declared_bos_id is None:
+                raise LayerdropError(f"{folder}/tokenizer_config.json sets add_bos_token but its bos_token "
+                                     f"{declared!r} is not in the vocabulary; fix the tokenizer files")
+            self.bos_id = self.declared_bos_id
+        elif wanted is False:
+            self.bos_id = None
+        else:
+            self.bos_id = self._post_processor_bos()
+        if self.declared_bos_id is None:
+            self.declared_bos_id = self.bos_id
+
+    def _post_processor_bos(self) -> int | None:
+        plain = self.tokenizer.encode("a", add_special_tokens=False).ids
+        special = self.tokenizer.encode("a", add_special_tokens=True).ids
+        prefix = special[: len(special) - len(plain)] if special[len(special) - len(plain):] == plain else []
+        if len(prefix) > 1:
+            raise LayerdropError(f"the tokenizer puts {len(prefix)} special tokens before every text; layerdrop "
+                                 "handles one BOS token at most")
+        return prefix[0] if prefix else None
+
+    def encode(self, text: str, *, special: bool = False) -> list[int]:
+        """Token ids of `text`; with `special`, as `tokenizer(text)` gives them (BOS first where it adds one)."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        return [self.bos_id, *ids] if special and self.bos_id is not None else ids
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_spans(self, text: str) -> tuple[list[int], list[int]]:
+        """(ids, start character of each token) of `text`, without special tokens."""
+        encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        return encoding.ids, [start for start, _ in encoding.offsets]
+
+
+def load_tokenizer(folder: Path) -> ModelTokenizer:
+    """The tokenizer of a model folder (see ModelTokenizer)."""
+    return ModelTokenizer(folder)
+
+
+def _json_file(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise LayerdropError(f"{path} is not valid JSON; fix or remove it") from None
+    return data if isinstance(data, dict) else {}
+
+
+def _token_text(value) -> str | None:
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def stream_tokens(tokenizer: ModelTokenizer, pieces: Iterable[str], *, chunk_chars: int = CHUNK_CHARS,
+                  margin_chars: int = 1024, context_chars: int = 256) -> Iterator[tuple[list[int], list[int]]]:
+    """Tokenize the concatenation of `pieces` a chunk at a time, as one call on the whole text would.
+
+    Yields (ids, starts) batches, starts being character offsets in the whole text. A chunk is cut only at a token
+    boundary that two encodings with different left contexts agree on, from the cut to the chunk's end; the text
+    before the cut stays as left context of the next chunk. So a tokenizer that merges across any character (no
+    pre-tokenizer, as Gemma's) is cut where its merges stop, and never mid-merge.
+    """
+    # `buffer` holds the text from absolute offset `base`; its tokens before `emit_from` were yielded already
+    buffer, base, emit_from = "", 0, 0
+    end = object()
+    for piece in itertools.chain(pieces, [end]):
+        last = piece is end
+        if not last:
+            buffer += piece
+            if len(buffer) - emit_from < chunk_chars + margin_chars:
+                continue
+        ids, starts = tokenizer.token_spans(buffer)
+        first = bisect.bisect_left(starts, emit_from)
+        if last:
+            yield ids[first:], [base + s for s in starts[first:]]
+            return
+        cut = _stable_cut(tokenizer, buffer, ids, starts, first, margin_chars, context_chars)
+        if cut is None:
+            continue  # no boundary both contexts agree on yet: read more
+        k, keep_from = cut
+        yield ids[first:k], [base + s for s in starts[first:k]]
+        base += keep_from
+        emit_from = starts[k] - keep_from
+        buffer = buffer[keep_from:]
+
+
+def _stable_cut(tokenizer: ModelTokenizer, buffer: str, ids: list[int], starts: list[int], first: int,
+                margin_chars: int, context_chars: int, tries: int = 32) -> tuple[int, int] | None:
+    """(token index k, buffer index where the next buffer begins) of a boundary both encodings agree on."""
+    limit = len(buffer) - margin_chars
+    k = bisect.bisect_right(starts, limit) - 1
+    for _ in range(tries):
+        if k <= first:
+            return None
+        if starts[k - 1] < starts[k]:  # a real boundary, not inside one character's bytes
+            keep_from = starts[bisect.bisect_left(starts, max(starts[first], starts[k] - context_chars))]
+            keep_from = min(keep_from, starts[k])
+            if keep_from > 0:
+                again, again_starts = tokenizer.token_spans(buffer[keep_from:])
+                j = bisect.bisect_left(again_starts, starts[k] - keep_from)
+                if again[j:] == ids[k:] and [s + keep_from for s in again_starts[j:]] == starts[k:]:
+                    return k, keep_from
+        k -= 1
+    return None
+
+
+# -- text sources ---------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _File:
+    path: Path
+    jsonl: bool
+    offset: int  # where the file begins in the source's joined byte space
+    size: int
+
+
+@dataclass(frozen=True)
+class TextSource:
+    """A text file, a folder of text files, or JSON Lines (records' `text_field`), as one joined byte space.
+
+    Raises:
+        LayerdropError: missing, empty, binary or unreadable files; a folder without text files.
+    """
+
+    path: Path
+    text_field: str = "text"
+    files: tuple[_File, ...] = field(default=(), compare=False)
+
+    @classmethod
+    def open(cls, path: Path, text_field: str = "text") -> TextSource:
+        path = Path(path)
+        if path.is_dir():
+            members = sorted(p for p in path.rglob("*") if p.is_file() and not any(
+                part.startswith(".") for part in p.relative_to(path).parts))
+            if not members:
+                raise LayerdropError(f"folder {path} holds no text files; pass a folder of UTF-8 or JSON Lines files")
+        elif path.is_file():
+            members = [path]
+        else:
+            raise LayerdropError(f"text file {path} does not exist; pass a UTF-8 text file, a .jsonl file or a folder")
+        files, offset = [], 0
+        for member in members:
+            size = member.stat().st_size
+            files.append(_File(member, _is_jsonl(member), offset, size))
+            _check_head(files[-1])
+            offset += size
+        if not any(f.size for f in files) or not any(_has_text(f) for f in files):
+            raise LayerdropError(f"{path} is empty; pass a file with real text")
+        return cls(path, text_field, tuple(files))
+
+    @property
+    def size(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def sha256(self) -> str:
+        """SHA-256 of the file (of each file's relative path and digest, for a folder), read in 1 MiB blocks."""
+        digests = []
+        for item in self.files:
+            digest = hashlib.sha256()
+            with open(item.path, "rb") as handle:
+                while block := handle.read(BLOCK):
+                    digest.update(block)
+            digests.append((item.path, digest.hexdigest()))
+        if not self.path.is_dir():
+            return digests[0][1]
+        joined = "".join(f"{p.relative_to(self.path).as_posix()}\0{d}\n" for p, d in digests)
+        return hashlib.sha256(joined.encode()).hexdigest()
+
+    def describe(self) -> str:
+        return self.path.name + ("/" if self.path.is_dir() else "")
+
+    # -- reading ------------------------------------------------------------------------------------------------
+
+    def documents(self) -> Iterator[str]:
+        """The whole text from the start, in pieces (the joiner between files and between records)."""
+        for index, item in enumerate(self.files):
+            if index:
+                yield DOCUMENT_JOINER
+            yield from self._pieces(item)
+
+    def lines_from(self, start: int, end: int) -> tuple[str, list[int], list[int]]:
+        """The text of the lines (records) that begin in the joined byte range [start, end).
+
+        Returns the text, the character index where each line (record) begins in it, and each one's byte offset.
+        A line running far past `end` is cut after LINE_CAP more bytes.
+        """
+        parts: list[str] = []
+        line_chars: list[int] = []
+        line_bytes: list[int] = []
+        length = 0
+        for item in self.files:
+            low, high = max(start, item.offset), min(end, item.offset + item.size)
+            if low >= high:
+                continue
+            for text, offset in self._lines(item, low - item.offset, high - item.offset):
+                if item.jsonl and not text:
+                    continue
+                if parts and (item.jsonl or offset == 0):  # a new record, or a new file of a folder
+                    parts.append(DOCUMENT_JOINER)
+                    length += len(DOCUMENT_JOINER)
+                line_chars.append(length)
+                line_bytes.append(item.offset + offset)
+                parts.append(text)
+                length += len(text)
+        return "".join(parts), line_chars, line_bytes
+
+    def _lines(self, item: _File, low: int, high: int) -> Iterator[tuple[str, int]]:
+        """(text, byte offset) of each line or record of `item` that begins in [low, high)."""
+        with open(item.path, "rb") as handle:
+            position = low
+            if low > 0:  # begin at the first line that starts at or after `low`
+                handle.seek(low - 1)
+                if handle.read(1) != b"\n":
+                    handle.readline()
+                position = handle.tell()
+            while position < high:
+                raw = handle.readline((high - position) + LINE_CAP)
+                if not raw:
+                    return
+                cut = not raw.endswith(b"\n") and handle.read(1) not in (b"", b"\n")
+                yield self._decode_line(item, raw, position, cut), position
+                if cut:  # a line past LINE_CAP: its rest belongs to no window
+                    handle.readline()
+                position = handle.tell()
+
+    def _decode_line(self, item: _File, raw: bytes, position: int, cut: bool) -> str:
+        if b"\x00" in raw:
+            raise LayerdropError(f"{item.path} looks binary (a NUL byte near byte {position}); pass UTF-8 text")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            if not (cut and exc.start >= len(raw) - 3 and exc.reason == "unexpected end of data"):
+                raise LayerdropError(f"{item.path} is not UTF-8 (byte {position + exc.start}); convert it to "
+                                     "UTF-8") from None
+            text = raw[:exc.start].decode("utf-8")  # the cap cut a character in two
+        if not item.jsonl:
+            return text
+        return self._record_text(item, text, position)
+
+    def _record_text(self, item: _File, line: str, position: int) -> str:
+        if not line.strip():
+            return ""
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            raise LayerdropError(f"{item.path}:{_line_number(item.path, position)}: not a JSON object; each line of "
+                                 "a JSON Lines file must be one") from None
+        value = record.get(self.text_field) if isinstance(record, dict) else None
+        if not isinstance(value, str):
+            raise LayerdropError(f"{item.path}:{_line_number(item.path, position)}: no text field "
+                                 f"{self.text_field!r}; name the field with --text-field")
+        return value
+
+    def _pieces(self, item: _File) -> Iterator[str]:
+        """The text of a whole file from its start, in pieces of about a block (records joined for JSON Lines)."""
+        if item.jsonl:
+            first = True
+            for text, _ in self._lines(item, 0, item.size):
+                if text:
+                    yield text if first else DOCUMENT_JOINER + text
+                    first = False
+            return
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="strict")
+        position = 0
+        with open(item.path, "rb") as handle:
+            while block := handle.read(BLOCK):
+                if b"\x00" in block:
+                    raise LayerdropError(f"{item.path} looks binary (it holds NUL bytes); pass a UTF-8 text file")
+                try:
+                    yield decoder.decode(block)
+                except UnicodeDecodeError as exc:
+                    raise LayerdropError(f"{item.path} is not UTF-8 (byte {position + exc.start}); convert it to "
+                                         "UTF-8") from None
+                position += len(block)
+            try:
+                yield decoder.decode(b"", final=True)
+            except UnicodeDecodeError:
+                raise LayerdropError(f"{item.path} is not UTF-8 (it ends inside a character); convert it to "
+                                     "UTF-8") from None
+
+
+def _is_jsonl(path: Path) -> bool:
+    return path.suffix.lower() in (".jsonl", ".json", ".ndjson")
+
+
+def _check_head(item: _File) -> None:
+    """Refuse binary files and JSON that is not JSON Lines before reading anything else."""
+    with open(item.path, "rb") as handle:
+        head = handle.read(8192)
+    if b"\x00" in head:
+        raise LayerdropError(f"{item.path} looks binary (it holds NUL bytes); pass a UTF-8 text file")
+    if item.jsonl and head.strip() and not head.lstrip().startswith(b"{"):
+        raise LayerdropError(f"{item.path}:1: not JSON Lines (one JSON object a line); convert it, or rename it "
+                             "to .txt to read it as plain text")
+
+
+def _has_text(item: _File) -> bool:
+    with open(item.path, "rb") as handle:
+        while block := handle.read(BLOCK):
+            if block.strip():
+                return True
+    return False
+
+
+def _line_number(path: Path, position: int) -> int:
+    """1-based line number of the byte `position` (counted only on the error path)."""
+    count, done = 1, 0
+    with open(path, "rb") as handle:
+        while done < position:
+            block = handle.read(min(BLOCK, position - done))
+            if not block:
+                break
+            count += block.count(b"\n")
+            done += len(block)
+    return count
+
+
+# -- windows --------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Windows:
+    """Token windows [samples, length] and where they came from.
+
+    With `bos`, column 0 of every window is the BOS token and the rest are text tokens.
+    """
+
+    ids: np.ndarray
+    source: dict
+    bos: bool = False
+
+    @property
+    def real(self) -> np.ndarray:
+        """Which positions are text tokens (False at the BOS column): the positions that scores and means use."""
+        mask = np.ones(self.ids.shape, dtype=bool)
+        if self.bos:
+            mask[:, 0] = False
+        return mask
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How windows are taken from a text: spread across it (with `seed`) or `from_start`, and the JSON Lines field
+    that holds the text."""
+
+    seed: int = 0
+    from_start: bool = False
+    text_field: str = "text"
+
+
+def draw_windows(
+    folder: Path,
+    text: Path | None,
+    *,
+    role: str,
+    samples: int | None,
+    seq_len: int,
+    sampling: Sampling = Sampling(),
+    max_positions: int | None = None,
+    calibration_sha256: str | None = None,
+) -> Windows:
+    """Windows of `samples` x `seq_len` text tokens (plus the BOS where the tokenizer adds one) for one role.
+
+    Args:
+        folder: the model folder (its tokenizer).
+        text: a text file, JSON Lines file or folder (None: the bundled calibration text, or the bundled
+            evaluation text for role "eval").
+        role: "calib" (scores, means, fits), "search" (choosing among candidates) or "eval" (held out).
+        samples: how many windows (None, from the start only: every complete window).
+        sampling: spread windows with a seed (same text and seed: same windows), or consecutive ones from the
+            start (role "search": from the end); and the JSON Lines text field.
+        calibration_sha256: the calibration text that search or evaluation windows must not overlap: when `text`
+            is that text, they come from its own part of it; otherwise a spread role reads all of `text`.
+
+    Raises:
+        LayerdropError: a bad text, a bad size, or a text too short for the request (saying what it holds).
+    """
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}")
+    if seq_len < 2:
+        raise LayerdropError(f"--seq-len must be at least 2 (got {seq_len})")
+    if samples is not None and samples < 1:
+        raise LayerdropError(f"--samples must be at least 1 (got {samples})")
+    tokenizer = load_tokenizer(folder)
+    length = seq_len + (tokenizer.bos_id is not None)
+    if max_positions and length > max_positions:
+        raise LayerdropError(f"--seq-len {seq_len} is beyond the model's context length {max_positions}"
+                             + (" (with its BOS token)" if length > seq_len else ""))
+    path = Path(text) if text is not None else bundled_text("eval" if role == "eval" else "calib")
+    source = TextSource.open(path, sampling.text_field)
+    digest = source.sha256()
+    shared = role == "calib" or digest == calibration_sha256
+    from_start, seed = sampling.from_start, sampling.seed
+    if from_start and role == "eval" and shared:
+        raise LayerdropError(f"{path} is the calibration text: with --from-start its evaluation windows would be "
+                             "its calibration windows; give another evaluation text, or leave out --from-start")
+    if from_start:
+        rows, starts = _from_start(source, tokenizer, seq_len, samples, from_end=role == "search")
+    else:
+        if samples is None:
+            raise LayerdropError("say how many windows (--samples) to spread across the text")
+        rows, starts = _spread(source, tokenizer, seq_len, samples, role, seed, shared)
+    ids = np.asarray(rows, dtype=np.int64).reshape(len(rows), seq_len)
+    if tokenizer.bos_id is not None:
+        ids = np.concatenate([np.full((len(ids), 1), tokenizer.bos_id, dtype=np.int64), ids], axis=1)
+    info = {
+        "file": source.describe(),
+        "sha256": digest,
+        "samples": len(ids),
+        "seq_len": seq_len,
+        "bos": tokenizer.bos_id is not None,
+        "layout": "from-start" if from_start else "spread",
+        "role": role,
+        **({"from_end": True} if from_start and role == "search" else {}),
+        **({} if from_start else {"seed": seed, "territory": "shared" if shared else "whole"}),
+        **({"text_field": sampling.text_field} if any(f.jsonl for f in source.files) else {}),
+        **({"starts": starts} if starts is not None else {}),
+    }
+    return Windows(ids, info, bos=tokenizer.bos_id is not None)
+
+
+def _from_start(source: TextSource, tokenizer: ModelTokenizer, seq_len: int, samples: int | None,
+                from_end: bool) -> tuple[list[list[int]], None]:
+    """Consecutive windows from the start (or the last complete ones), reading only what they need (all of the
+    text for the last ones, keeping only the tail)."""
+    tokens: deque[int] = deque()
+    seen = 0
+    keep = None if samples is None else (samples + 1) * seq_len
+    for ids, _ in stream_tokens(tokenizer, source.documents()):
+        tokens.extend(ids)
+        seen += len(ids)
+        if not from_end and samples is not None and seen >= samples * seq_len:
+            break
+        while from_end and keep is not None and len(tokens) > keep:
+            tokens.popleft()
+    available = seen // seq_len
+    wanted = available if samples is None else samples
+    if available < 1 or wanted > available:
+        raise LayerdropError(f"{source.path} holds {seen} tokens = {available} windows of {seq_len}; asked for "
+                             f"{wanted}: use a longer text, fewer --samples or a shorter --seq-len")
+    first = (available - wanted) if from_end else 0
+    skipped = seen - len(tokens)  # tokens of the stream no longer held
+    flat = list(tokens)[first * seq_len - skipped:(first + wanted) * seq_len - skipped]
+    return [flat[i * seq_len:(i + 1) * seq_len] for i in range(wanted)], None
+
+
+def territory(size: int, role: str, shared: bool) -> list[tuple[int, int]]:
+    """The byte ranges of the joined source that a spread role draws from (see the module docstring)."""
+    period = max(PERIOD_MIN, min(PERIOD_MAX, size // 8))
+    index = ROLES.index(role)
+    low = sum(ROLE_SHARES[:index]) if shared else 0.0
+    high = low + ROLE_SHARES[index] if shared else 1.0
+    runs = []
+    for begin in range(0, size, period):
+        start, end = begin + round(low * period), min(size, begin + round(high * period))
+        if start < end:
+            runs.append((start, end))
+    return runs
+
+
+def _spread(source: TextSource, tokenizer: ModelTokenizer, seq_len: int, samples: int, role: str, seed: int,
+            shared: bool) -> tuple[list[list[int]], list[int]]:
+    """Windows at seeded, stratified positions of the role's territory, each at a line start, none overlapping.
+
+    Returns the windows' tokens and the byte offset of each window's first token in the joined source.
+    """
+    runs = territory(source.size, role, shared)
+    edges = np.cumsum([0] + [end - start for start, end in runs])
+    rng = np.random.default_rng([seed, ROLES.index(role)])
+    wanted: dict[int, list[int]] = {}  # run -> byte offsets asked for in it
+    for i in range(samples):
+        target = (i + rng.random()) * edges[-1] / samples
+        run = min(int(np.searchsorted(edges, target, side="right")) - 1, len(runs) - 1)
+        wanted.setdefault(run, []).append(runs[run][0] + int(target - edges[run]))
+    rows: list[list[int]] = []
+    starts: list[int] = []
+    carried = 0  # windows that did not fit in their run go to the next one
+    for index, (start, end) in enumerate(runs):
+        requests = [start] * carried + sorted(wanted.get(index, []))
+        if not requests:
+            continue
+        run = _Run(source, tokenizer, start, end)
+        taken = 0  # tokens of this run already in a window
+        carried = 0
+        for position, byte in enumerate(requests):
+            token = run.place(byte, taken, seq_len)
+            if token is None:
+                carried = len(requests) - position
+                break
+            rows.append(run.ids[token:token + seq_len])
+            starts.append(run.byte_of(token))
+            taken = token + seq_len
+    if carried:
+        raise LayerdropError(
+            f"{source.path} holds too little text for {samples} windows of {seq_len} tokens spread across its "
+            f"{role} part ({len(rows)} fit); use fewer --samples, a shorter --seq-len, a longer text, or "
+            "--from-start")
+    return rows, starts
+
+
+class _Run:
+    """The tokenized lines (records) that begin in one byte range of a source, and where windows may start."""
+
+    def __init__(self, source: TextSource, tokenizer: ModelTokenizer, start: int, end: int) -> None:
+        self.text, self.line_chars, self.line_bytes = source.lines_from(start, end)
+        self.ids, self.char_starts = _tokens_of(tokenizer, self.text)
+        # a window starts at the first token of a line (or record)
+        self.line_tokens = sorted({bisect.bisect_left(self.char_starts, c) for c in self.line_chars} - {len(self.ids)})
+
+    def place(self, byte: int, taken: int, seq_len: int) -> int | None:
+        """The first line-start token at or after `byte` (and after token `taken`) that leaves room for a window;
+        else the last one that does; None when no window fits in this run any more."""
+        fits = [t for t in self.line_tokens if t >= taken and t + seq_len <= len(self.ids)]
+        if not fits:
+            return None
+        line = bisect.bisect_left(self.line_bytes, byte)
+        wanted = bisect.bisect_left(self.char_starts, self.line_chars[line]) if line < len(self.line_chars) else None
+        later = [t for t in fits if wanted is not None and t >= wanted]
+        return later[0] if later else fits[-1]
+
+    def byte_of(self, token: int) -> int:
+        """Byte offset of a token's first character in the joined source."""
+        char = self.char_starts[token]
+        line = bisect.bisect_right(self.line_chars, char) - 1
+        return self.line_bytes[line] + len(self.text[self.line_chars[line]:char].encode())
+
+
+def _tokens_of(tokenizer: ModelTokenizer, text: str) -> tuple[list[int], list[int]]:
+    ids: list[int] = []
+    starts: list[int] = []
+    for part, offsets in stream_tokens(tokenizer, [text]):
+        ids += part
+        starts += offsets
+    return ids, starts
