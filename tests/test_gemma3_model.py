@@ -60,10 +60,12 @@ def test_export_matches_float64_torch_past_the_sliding_window(gemma_kv, torch_mo
     _close(ort_logits(gemma_kv, ids), logits(torch_model, ids))
 
 
-def test_scores_match_torch_hooks_on_bos_windows(gemma_kv, torch_model, bos_windows):
-    result = api.score(gemma_kv, None, samples=2, seq_len=64, sampling=Sampling(from_start=True), progress=False)
+def test_scores_match_torch_hooks_on_bos_windows(gemma_kv, torch_model):
+    from_start = Sampling(from_start=True)
+    result = api.score(gemma_kv, None, samples=2, seq_len=64, sampling=from_start, progress=False)
     assert result["calibration"]["bos"] is True
-    reference = hook_scores(torch_model, bos_windows, skip_first=True)
+    windows = api.windows_for(gemma_kv, None, role="calib", samples=2, seq_len=64, sampling=from_start).ids
+    reference = hook_scores(torch_model, windows, skip_first=True)
     assert len(result["regions"]) == 54
     worst = max(abs(row["score"] - reference[(row["kind"], row["layer"])]) for row in result["regions"])
     assert worst <= 1e-5

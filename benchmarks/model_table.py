@@ -1,0 +1,99 @@
+"""One results table per real model: the pipeline's attention drop, HARP and the planner side by side.
+
+    python benchmarks/model_table.py --model smollm2-135m --out bench-out/smollm2
+    python benchmarks/model_table.py --model gemma3-270m --out bench-out/gemma3
+
+Every row runs the `layerdrop` command a user would (each one's line is printed first), with the same count of
+attention layers for every method: a quarter of them (the pipeline's default). Texts: the bundled calibration
+text (*Persuasion*) for scores and searches, the bundled evaluation text (*Northanger Abbey*) for perplexity;
+spread windows, seed 0; a BOS first where the tokenizer adds one (Gemma). `--speed-only` reruns only the benches
+(for a quiet machine). Results: OUT/table.json and a Markdown table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def run(*args: str) -> float:
+    command = [sys.executable, "-m", "layerdrop.cli", *args]
+    print("$ layerdrop " + " ".join(args), file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    subprocess.run(command, check=True)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="a known model name, a HF folder or a .gguf file")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--threads", default="2")
+    parser.add_argument("--speed-only", action="store_true")
+    args = parser.parse_args()
+    out, threads = args.out, ["--threads", args.threads, "--no-progress"]
+    out.mkdir(parents=True, exist_ok=True)
+    seconds: dict[str, float] = {}
+    pipeline, export, scored = out / "pipeline", out / "pipeline" / "export", out / "pipeline" / "scored"
+    if not args.speed_only:
+        seconds["pipeline"] = run("pipeline", args.model, "-o", str(pipeline), "--force", *threads)
+    layers = json.loads((pipeline / "report.json").read_text())["method"]  # "attn-N"
+    count = layers.split("-")[-1]
+    if not args.speed_only:
+        seconds["harp"] = run("harp", str(scored), "-o", str(out / "harp"), "--top", count, "--search", "--force",
+                              "--json", str(out / "harp.json"), *threads)
+        seconds["plan"] = run("plan", str(scored), "-o", str(out / "plan"), "--budget", f"attn={count}", "--force",
+                              "--json", str(out / "plan.json"), *threads)
+        for name in ("harp", "plan"):
+            run("eval", str(out / name), "--json", str(out / f"eval-{name}.json"), *threads)
+    for name, folder in (("drop", pipeline / "pruned"), ("harp", out / "harp"), ("plan", out / "plan")):
+        run("bench", str(export), str(folder), "--seq", "256,1024", "--json", str(out / f"bench-{name}.json"),
+            *threads)
+
+    report = json.loads((pipeline / "report.json").read_text())
+    quality = {"base": report["quality"][0], "drop": report["quality"][1]}
+    for name in ("harp", "plan"):
+        quality[name] = json.loads((out / f"eval-{name}.json").read_text())["models"][0]
+    benches = {name: json.loads((out / f"bench-{name}.json").read_text()) for name in ("drop", "harp", "plan")}
+    plan = json.loads((out / "plan.json").read_text())
+    harp = json.loads((out / "harp.json").read_text())
+    table = {"model": args.model, "count": int(count), "seconds": seconds, "quality": quality, "bench": benches,
+             "harp_alphas": harp["alphas"], "plan_pick": plan["pick"]}
+    (out / "table.json").write_text(json.dumps(table, indent=2, sort_keys=True) + "\n")
+    print(markdown(table))
+
+
+def markdown(table: dict) -> str:
+    names = {"drop": f"attn-{table['count']} drop", "harp": f"HARP top-{table['count']}",
+             "plan": f"planner attn={table['count']}"}
+    bench = table["bench"]
+    bos = " (BOS first)" if table["quality"]["base"]["text"].get("bos") else ""
+    lines = [f"| {bench['drop']['machine']} | base | " + " | ".join(names.values()) + " |",
+             "|---|---|---|---|---|"]
+    base_ppl = table["quality"]["base"]["perplexity"]
+    cells = [f"{table['quality'][k]['perplexity']:.2f} ({table['quality'][k]['perplexity'] / base_ppl:.2f}x)"
+             for k in names]
+    lines.append(f"| perplexity{bos} | {base_ppl:.2f} | " + " | ".join(cells) + " |")
+    for index, entry in enumerate(bench["drop"]["prefill"]):
+        row = [f"{bench[k]['prefill'][index]['pruned']['median_ms']:.0f} "
+               f"({bench[k]['prefill'][index]['speedup']:.2f}x)" for k in names]
+        lines.append(f"| prefill {entry['seq']} tokens, median ms | {entry['base']['median_ms']:.0f} | "
+                     + " | ".join(row) + " |")
+    decode = [bench[k]["decode_tokens_per_s"] for k in names]
+    lines.append(f"| decode tokens/s | {decode[0]['base']:.1f} | "
+                 + " | ".join(f"{d['pruned']:.1f} ({d['pruned'] / d['base']:.2f}x)" for d in decode) + " |")
+    kv = [bench[k]["kv_bytes_per_token"] for k in names]
+    lines.append(f"| KV cache bytes/token | {kv[0]['base']} | "
+                 + " | ".join(f"{v['pruned']} ({v['pruned'] / v['base']:.3f})" for v in kv) + " |")
+    size = [bench[k]["model_bytes"] for k in names]
+    lines.append(f"| model file bytes | {size[0]['base']:,} | "
+                 + " | ".join(f"{v['pruned']:,} ({v['pruned'] / v['base']:.3f})" for v in size) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
