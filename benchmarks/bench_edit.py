@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from layerdrop import api
-from layerdrop.model_folder import load, save
+from layerdrop.model_folder import save
 from layerdrop.passes.cleanup import run_passes
 
 
@@ -23,7 +23,7 @@ def main() -> None:
     args = parser.parse_args()
     targets = [("attn", int(x)) for x in args.layers.split(",")]
     start = time.perf_counter()
-    folder, model = load(args.model)
+    folder, model = api.open_model(args.model)
     loaded = time.perf_counter()
     before = len(model.graph)
     run_passes(model, api.rewrite_passes(targets, {}, "bench"))

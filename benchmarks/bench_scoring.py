@@ -19,11 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 import torch
 import transformers
 
-from layerdrop.api import windows_for
-from layerdrop.model_folder import load
+from layerdrop.api import open_model, windows_for
 from layerdrop.runtime.feeds import prefill_feed
-from layerdrop.runtime.scoring import compute_scores
 from layerdrop.runtime.session import make_session
+from layerdrop.search.measure import compute_scores
 from tests.torch_reference import hook_scores
 
 
@@ -37,8 +36,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=Path("bench-out/scoring.json"))
     args = parser.parse_args()
 
-    windows = windows_for(args.model, None, part="calib", samples=args.samples, seq_len=args.seq_len)
-    folder, model = load(args.model)
+    windows = windows_for(args.model, None, role="calib", samples=args.samples, seq_len=args.seq_len)
+    folder, model = open_model(args.model)
     start = time.perf_counter()
     scores = compute_scores(model, folder.path, windows, threads=args.threads, progress=False)
     ort_scoring = time.perf_counter() - start

@@ -14,10 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for the tests' helpers
 
 
 def main() -> None:
@@ -28,12 +31,12 @@ def main() -> None:
     args = parser.parse_args()
 
     from layerdrop import api
+    from layerdrop.api import bench as compare
     from layerdrop.export.default_model import default_model_folder
-    from layerdrop.runtime.bench import compare
-    from layerdrop.runtime.genai import genai_greedy, run_builder
     from layerdrop.runtime.generate import greedy_generate
     from layerdrop.runtime.session import make_session
     from layerdrop.windows import load_tokenizer
+    from tests.genai_helpers import genai_greedy, run_builder
 
     shutil.rmtree(args.out, ignore_errors=True)
     args.out.mkdir(parents=True)

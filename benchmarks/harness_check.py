@@ -19,18 +19,21 @@ import json
 import os
 import random
 import re
+import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for the tests' helpers
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def write_tasks(folder: Path, items: int, seed: int = 0) -> None:
-    from layerdrop.runtime.harness import write_local_task
     from layerdrop.windows import bundled_text
+    from tests.lm_eval_tasks import write_local_task
 
     text = bundled_text("eval").read_text(encoding="utf-8")
     paragraphs = [re.sub(r"\s+", " ", p).strip() for p in text.split("\n\n")]

@@ -15,13 +15,15 @@ import time
 from pathlib import Path
 
 from layerdrop import api
-from layerdrop.model_folder import copy_model, load
+from layerdrop.model_folder import copy_model
 from layerdrop.passes.attach_scores import read_scores
 from layerdrop.passes.cleanup import run_passes
-from layerdrop.passes.drop_branches import removed_modules
-from layerdrop.runtime.alpha_search import greedy_alpha_search
+from layerdrop.passes.metadata import removed_modules
 from layerdrop.runtime.evaluate import perplexity
 from layerdrop.runtime.session import make_session
+from layerdrop.search.alpha_search import greedy_alpha_search
+from layerdrop.search.selection import drop_iteratively, select_lowest
+from layerdrop.windows import Sampling
 
 
 def main() -> None:
@@ -31,15 +33,18 @@ def main() -> None:
     parser.add_argument("--search-samples", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--from-start", action="store_true", help="windows from the start of each text")
     parser.add_argument("--json", type=Path, default=Path("bench-out/quality.json"))
     args = parser.parse_args()
 
-    folder, model = load(args.model)
+    folder, model = api.open_model(args.model)
     rows = read_scores(model)
     attention = sorted(r["layer"] for r in rows if r["kind"] == "attn")
-    held_out = api.windows_for(folder.path, None, part="eval", samples=args.eval_samples, seq_len=args.seq_len).ids
-    search = api.windows_for(folder.path, None, part="calib", samples=args.search_samples, seq_len=args.seq_len,
-                             from_end=True).ids
+    sampling = Sampling(from_start=args.from_start)
+    held_out = api.windows_for(folder.path, None, role="eval", samples=args.eval_samples, seq_len=args.seq_len,
+                               sampling=sampling).ids
+    search = api.windows_for(folder.path, None, role="search", samples=args.search_samples, seq_len=args.seq_len,
+                             sampling=sampling).ids
 
     def ppl(drops=(), alphas=None) -> float:
         candidate = copy_model(model)
@@ -47,7 +52,7 @@ def main() -> None:
         return perplexity(make_session(candidate, folder=folder.path, threads=args.threads), held_out).perplexity
 
     def lowest(kinds, n):
-        return api.select_lowest(rows, kinds, n)
+        return select_lowest(rows, kinds, n)
 
     table = [("baseline", ppl())]
     for kind, counts in (("attn", (4, 8, 12)), ("mlp", (4, 8)), ("block", (4,))):
@@ -55,8 +60,8 @@ def main() -> None:
             table.append((f"{kind}-{n} one-shot", ppl(lowest((kind,), n))))
     table.append(("joint-8 one-shot", ppl(lowest(("attn", "mlp"), 8))))
     scratch = copy_model(model)
-    calib = api.windows_for(folder.path, None, part="calib", samples=16, seq_len=args.seq_len)
-    api.drop_iteratively(scratch, folder.path, calib, ("attn",), 8, "cpu", args.threads, True)
+    calib = api.windows_for(folder.path, None, role="calib", samples=16, seq_len=args.seq_len, sampling=sampling)
+    drop_iteratively(scratch, folder.path, calib, ("attn",), 8, "cpu", args.threads, True)
     iterative = [(e["kind"], e["layer"]) for e in removed_modules(scratch)]
     table.append(("attn-8 iterative", ppl(iterative)))
     top8 = attention[::-1][:8]

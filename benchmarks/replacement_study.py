@@ -22,8 +22,9 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
+from layerdrop.api import windows_for
 from layerdrop.export.default_model import default_model_folder
-from layerdrop.windows import bundled_text, pack_windows
+from layerdrop.windows import Sampling
 
 DEFAULT_MOVES = "29:0.4,28:0.2,26:0,22:0.1,14:0.1,7:0.1,6:0.1,4:0"
 
@@ -39,11 +40,11 @@ class Study:
         self.layers = self.model.model.layers
         self.original = [layer.self_attn.forward for layer in self.layers]
 
-        def windows(part, samples, from_end=False):
-            return torch.tensor(pack_windows(folder, bundled_text(part), seq_len=256, samples=samples,
-                                             max_positions=8192, from_end=from_end).ids)
+        def windows(role, samples):  # the windows of the planner's README figures: from the start of each text
+            return torch.tensor(windows_for(folder, None, role=role, samples=samples, seq_len=256,
+                                            sampling=Sampling(from_start=True)).ids)
 
-        self.calib, self.search, self.held = windows("calib", 64), windows("calib", 8, True), windows("eval", 32)
+        self.calib, self.search, self.held = windows("calib", 64), windows("search", 8), windows("eval", 32)
 
     @torch.no_grad()
     def perplexity(self, ids: torch.Tensor) -> float:

@@ -31,10 +31,6 @@ class ModelFolder:
     path: Path
     onnx_path: Path
 
-    @property
-    def tokenizerconfig_json(self) -> Path:
-        return self.path / "tokenizer.json"
-
 
 def config_json(path: Path) -> dict:
     """A JSON file of the folder ({} when absent). Raises LayerdropError when it is not valid JSON."""
@@ -73,22 +69,19 @@ def resolve(path: Path | str) -> ModelFolder:
     return ModelFolder(path.parent, path)
 
 
-def _check_external_data(proto: onnx.ModelProto, folder: Path) -> None:
-    """Refuse external data that lies outside the folder or is shorter than the offsets it declares."""
+def _check_external_data(model: ir.Model, folder: Path) -> None:
+    """Refuse external data that lies outside the folder or is shorter than the offsets it declares (before any
+    weight is read)."""
     root = folder.resolve()
     sizes: dict[Path, int] = {}
-    for tensor in onnx.external_data_helper._get_all_tensors(proto):
-        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+    for value in model.graph.initializers.values():
+        tensor = value.const_value
+        if not isinstance(tensor, ir.ExternalTensor):
             continue
-        info = {entry.key: entry.value for entry in tensor.external_data}
-        location = info.get("location", "")
+        location = tensor.location or ""
         candidate = Path(location)
-        if not location or candidate.is_absolute() or ".." in candidate.parts:
-            raise LayerdropError(
-                f"tensor {tensor.name!r} points to external data {location!r} outside the model folder; refused"
-            )
         target = (folder / candidate).resolve()
-        if root not in target.parents:
+        if not location or candidate.is_absolute() or ".." in candidate.parts or root not in target.parents:
             raise LayerdropError(
                 f"tensor {tensor.name!r} points to external data {location!r} outside the model folder; refused"
             )
@@ -96,7 +89,7 @@ def _check_external_data(proto: onnx.ModelProto, folder: Path) -> None:
             if not target.is_file():
                 raise LayerdropError(f"external data file {location!r} of {folder} is missing; re-export the model")
             sizes[target] = target.stat().st_size
-        end = int(info.get("offset", 0)) + int(info.get("length", 0))
+        end = int(tensor.offset or 0) + int(tensor.length or 0)
         if end > sizes[target]:
             raise LayerdropError(
                 f"external data file {location!r} is shorter than tensor {tensor.name!r} needs "
@@ -104,11 +97,8 @@ def _check_external_data(proto: onnx.ModelProto, folder: Path) -> None:
             )
 
 
-def load(path: Path | str, *, split_skip_norms: bool = True) -> tuple[ModelFolder, ir.Model]:
-    """Load a model folder's graph with onnx-ir; weights stay on disk until they are needed.
-
-    Fused skip-norms (onnxruntime-genai builder graphs) are split into Add + norm so the passes see every
-    residual, unless `split_skip_norms` is off (to run the graph as it is).
+def load(path: Path | str) -> tuple[ModelFolder, ir.Model]:
+    """Load a model folder's graph with onnx-ir, as it is on disk; weights stay there until they are needed.
 
     Raises:
         LayerdropError: missing or unreadable model, external data that is missing, truncated or outside the folder.
@@ -120,45 +110,20 @@ def load(path: Path | str, *, split_skip_norms: bool = True) -> tuple[ModelFolde
         raise LayerdropError(f"{folder.onnx_path} is not a readable ONNX model ({type(exc).__name__})") from None
     if not proto.graph.node:
         raise LayerdropError(f"{folder.onnx_path} is not an ONNX model with a graph (empty or truncated file)")
-    _check_external_data(proto, folder.path)
     try:
         model = ir.serde.deserialize_model(proto)
     except Exception as exc:  # noqa: BLE001 - malformed protos fail deep inside the deserializer
         reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
         raise LayerdropError(f"{folder.onnx_path} is a malformed ONNX model: {reason}") from None
+    _check_external_data(model, folder.path)
     _set_base_dir(model, folder.path)
-    from layerdrop.passes.unfuse_skip_norm import UnfuseSkipNormPass
-
-    if split_skip_norms:
-        UnfuseSkipNormPass()(model)
     _static_cache_dims(model, folder.path)
     return folder, model
 
 
-def updated_genai_config(source: ModelFolder, model: ir.Model) -> str:
-    """The source folder's genai_config.json for the rewritten `model`.
-
-    `num_hidden_layers` becomes the number of cache layers the graph keeps (their past/present names are already
-    contiguous, so the `%d` templates hold), and a `sliding_window.layers` list is renumbered the same way.
-    Everything else is kept as it was.
-    """
-    data = config_json(source.path / GENAI_CONFIG)
-    decoder = data.get("model", {}).get("decoder")
-    kept = sum(1 for v in model.graph.inputs if (v.name or "").startswith("past_key_values.")
-               and (v.name or "").endswith(".key"))
-    if not isinstance(decoder, dict) or not kept:
-        return json.dumps(data, indent=4)
-    decoder["num_hidden_layers"] = kept
-    window = decoder.get("sliding_window")
-    if isinstance(window, dict) and isinstance(window.get("layers"), list):
-        # the list counts the source's cache layers; both maps lead back to the original layers
-        from layerdrop.passes.prune_kv_cache import kv_layer_map
-
-        source_graph = ir.serde.deserialize_model(onnx.load(source.onnx_path, load_external_data=False))
-        source_map, new_map = kv_layer_map(source_graph), kv_layer_map(model)
-        local = {source_map[i] for i in window["layers"] if 0 <= i < len(source_map)}
-        window["layers"] = [new for new, original in enumerate(new_map) if original in local]
-    return json.dumps(data, indent=4)
+def genai_config(folder: Path) -> dict:
+    """The folder's onnxruntime-genai genai_config.json ({} when it has none)."""
+    return config_json(Path(folder) / GENAI_CONFIG)
 
 
 def _static_cache_dims(model: ir.Model, folder: Path) -> None:
@@ -242,7 +207,8 @@ def save(
     """Write `model` as a complete model folder, atomically.
 
     The folder gets model.onnx, model.onnx.data (only the initializers the graph still holds), every other
-    file of the source folder (tokenizer, configs), and `extra_files` (name -> text) which replace those.
+    file of the source folder (tokenizer, configs), and `extra_files` (name -> text) which replace those (a
+    genai_config.json that follows the rewrite, say).
 
     Raises:
         LayerdropError: refused output; OutputError: the disk filled or the folder cannot be written.
@@ -258,10 +224,7 @@ def save(
                 for item in sorted(source.path.iterdir()):
                     if item.is_file() and item.name not in data_files and not item.name.endswith(".data"):
                         shutil.copy2(item, staged / item.name)
-            extra_files = dict(extra_files or {})
-            if source is not None and (source.path / GENAI_CONFIG).is_file() and GENAI_CONFIG not in extra_files:
-                extra_files[GENAI_CONFIG] = updated_genai_config(source, model)
-            for name, text in extra_files.items():
+            for name, text in (extra_files or {}).items():
                 (staged / name).write_text(text, encoding="utf-8")
             ir.save(model, staged / MODEL_NAME, external_data=DATA_NAME)
             publish_folder(staged, out_dir, force=force)
@@ -270,3 +233,24 @@ def save(
             raise OutputError(f"no space left while writing {out_dir}; nothing was written, free space") from None
         raise OutputError(f"cannot write {out_dir}: {exc.strerror or exc}; nothing was written") from None
     return out_dir
+
+
+def write_atomically(path: Path, data: str | bytes) -> None:
+    """Write a file under a temporary name next to it, then rename it into place (no partial file is ever seen).
+
+    Raises:
+        OutputError: the disk filled or the file cannot be written.
+    """
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        if isinstance(data, str):
+            partial.write_text(data, encoding="utf-8")
+        else:
+            partial.write_bytes(data)
+        partial.replace(path)
+    except OSError as exc:
+        partial.unlink(missing_ok=True)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise OutputError(f"no space left while writing {path}; nothing was written, free space") from None
+        raise OutputError(f"cannot write {path}: {exc.strerror or exc}; nothing was written") from None

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from layerdrop import api
+from layerdrop.api import open_model
 from layerdrop.export.default_model import default_model_folder
-from layerdrop.model_folder import load
 from layerdrop.passes.find_residuals import find_residual_regions
 from layerdrop.runtime.generate import greedy_generate
-from layerdrop.runtime.scoring import compute_scores
+from layerdrop.search.measure import compute_scores
 from layerdrop.windows import Sampling, Windows, bundled_text
 from tests.helpers import ort_logits, session
 from tests.real_models import cached_export, float64_model
@@ -63,7 +63,7 @@ def test_greedy_generation_with_cache_equals_torch(smollm2_kv, torch_model, real
 
 
 def test_regions_of_default_model_with_and_without_metadata(smollm2_kv):
-    _, model = load(smollm2_kv)
+    _, model = open_model(smollm2_kv)
     regions = find_residual_regions(model.graph)
     assert [(r.kind, r.layer) for r in regions] == [(k, i) for i in range(30) for k in ("attn", "mlp")]
     for node in model.graph:
@@ -73,7 +73,7 @@ def test_regions_of_default_model_with_and_without_metadata(smollm2_kv):
 
 
 def test_default_model_scores_match_torch_hooks(smollm2_kv, torch_model, real_windows):
-    folder, model = load(smollm2_kv)
+    folder, model = open_model(smollm2_kv)
     scores = compute_scores(model, folder.path, Windows(real_windows, {}), progress=False)
     reference = hook_scores(torch_model, real_windows)
     assert len(scores) == 90
@@ -103,7 +103,7 @@ def test_default_model_builder_folder_score_drop_eval_harp_and_genai(smollm2_hf,
     """Issue 7's workflow on the real model: onnxruntime-genai's builder folder -> score -> drop -> eval, and
     harp; both results match PyTorch and generate in onnxruntime-genai what ONNX Runtime generates."""
     pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed")
-    from layerdrop.runtime.genai import genai_greedy, run_builder
+    from tests.genai_helpers import genai_greedy, run_builder
 
     built = run_builder(smollm2_hf, tmp_path / "built")
     api.score(built, tmp_path / "scored", samples=4, seq_len=128, progress=False)

@@ -18,11 +18,11 @@ import torch
 import transformers
 
 from layerdrop import api
-from layerdrop.model_folder import resolve, updated_genai_config
+from layerdrop.passes.metadata import kv_layer_map, updated_genai_config
 from layerdrop.runtime.feeds import prefill_feed
-from layerdrop.runtime.genai import genai_greedy, run_builder
 from layerdrop.runtime.generate import greedy_generate
 from layerdrop.runtime.session import make_session
+from tests.genai_helpers import genai_greedy, run_builder
 from tests.helpers import ort_logits
 from tests.torch_reference import VOCAB, hook_scores, logits, replaced
 
@@ -150,7 +150,8 @@ def test_genai_config_without_decoder_is_kept(tmp_path, built):
     from layerdrop.model_folder import load
 
     _, model = load(folder)
-    assert json.loads(updated_genai_config(resolve(folder), model)) == {"model": {"type": "llama"}}
+    config = {"model": {"type": "llama"}}
+    assert updated_genai_config(config, kv_layer_map(model), model) == config
 
 
 def test_fuse_restores_the_builder_form(built, torch_model, tmp_path, rng):

@@ -15,7 +15,7 @@ lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip i
 
 from layerdrop import api  # noqa: E402
 from layerdrop.cli import main  # noqa: E402
-from layerdrop.runtime.harness import write_local_task  # noqa: E402
+from tests.lm_eval_tasks import write_local_task  # noqa: E402
 from tests.torch_reference import replaced  # noqa: E402
 
 MC = [

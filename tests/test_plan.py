@@ -36,9 +36,20 @@ def test_plan_honours_the_budget_exactly(planned, exported):
     assert len(api.inspect(out)["kv_layers"]) == 2
 
 
-def test_pick_is_never_worse_than_the_other_methods_on_the_search_text(planned):
+def test_every_method_is_compared_and_the_pick_is_measured_like_torch(planned, exported):
+    """The table's figures for the pick are PyTorch's perplexities of the planned model on the same windows."""
+    from tests.torch_reference import perplexity as torch_perplexity
+
     _, result = planned
-    assert result["pick"]["search_ppl"] == min(row["search_ppl"] for row in result["methods"])
+    folder = exported("llama", True)
+    alphas = {int(k): v for k, v in result["pick"]["alphas"].items()}
+    means = api.windows_for(folder, None, role="calib", samples=4, seq_len=32)
+    reference = planned_reference(tiny_model("llama"), alphas, means if result["pick"]["shift"] else None)
+    digest = means.source["sha256"]  # search windows come from the calibration text's own search part
+    search = api.windows_for(folder, None, role="search", samples=2, seq_len=32, calibration_sha256=digest).ids
+    held_out = api.windows_for(folder, None, role="eval", samples=2, seq_len=32, calibration_sha256=digest).ids
+    assert result["pick"]["search_ppl"] == pytest.approx(torch_perplexity(reference, search), rel=1e-4)
+    assert result["pick"]["eval_ppl"] == pytest.approx(torch_perplexity(reference, held_out), rel=1e-4)
     names = {row["method"] for row in result["methods"]}
     assert {"planner (moves with the mean shift)", "paper 1: one-shot drop of the lowest scores",
             "paper 1: iterative drop", "HARP: top layers, searched alphas",

@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 from onnx import TensorProto, helper
 
 from layerdrop.cli import main
+from layerdrop.cli.options import parse_alphas, parse_bytes, parse_layers
 from layerdrop.errors import LayerdropError
-from layerdrop.options import parse_alphas, parse_bytes, parse_layers
 from layerdrop.windows import bundled_text
 
 

@@ -9,10 +9,11 @@ import onnx
 import pytest
 
 from layerdrop import api
+from layerdrop.api import open_model
 from layerdrop.cli import main
 from layerdrop.errors import LayerdropError
-from layerdrop.model_folder import load
-from layerdrop.runtime.scoring import calibration_model, compute_scores
+from layerdrop.passes.calibration_taps import calibration_model
+from layerdrop.search.measure import compute_scores
 from layerdrop.windows import Sampling, Windows, bundled_text
 from tests.conftest import ALL_FAMILIES
 from tests.torch_reference import VOCAB, hook_scores, tiny_model
@@ -21,7 +22,7 @@ from tests.torch_reference import VOCAB, hook_scores, tiny_model
 @pytest.mark.parametrize("kv_cache", [True, False], ids=["kv", "plain"])
 @pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_scores_match_torch_hooks(exported, family, kv_cache, rng):
-    folder, model = load(exported(family, kv_cache))
+    folder, model = open_model(exported(family, kv_cache))
     windows = rng.randint(0, VOCAB, size=(3, 24))
     scores = compute_scores(model, folder.path, Windows(windows, {}), batch_size=2, progress=False)
     reference = hook_scores(tiny_model(family), windows)
@@ -32,7 +33,7 @@ def test_scores_match_torch_hooks(exported, family, kv_cache, rng):
 
 
 def test_calibration_copy_never_computes_the_lm_head(exported):
-    _, model = load(exported("llama", True))
+    _, model = open_model(exported("llama", True))
     calib, rows = calibration_model(model)
     ops = {n.op_type for n in calib.graph}
     lm_head = [n for n in calib.graph if n.op_type == "MatMul" and any(

@@ -223,3 +223,10 @@ def planned(model: torch.nn.Module, alphas: dict[int, float], shift_windows=None
                         {layer: alpha for layer, alpha in alphas.items() if alpha > 0})
     means = branch_means(model, shift_windows.ids, sorted(alphas), skip_first=shift_windows.bos)
     return replaced(model, [], alphas, {layer: m_b - alphas[layer] * m_p for layer, (m_b, m_p) in means.items()})
+
+
+def perplexity(model: torch.nn.Module, windows: np.ndarray) -> float:
+    """transformers' own loss (labels = inputs, shifted inside) averaged over equal-length windows, exponentiated."""
+    with torch.no_grad():
+        losses = [model(torch.tensor(row[None]), labels=torch.tensor(row[None])).loss.double() for row in windows]
+    return float(torch.exp(torch.stack(losses).mean()))

@@ -2,29 +2,26 @@
 
 Each region's Add gets node metadata `layerdrop.score` ({"score", "norm_ratio"}); a block's score goes on the
 Add that ends the block under `layerdrop.block_score`. The model metadata `layerdrop.calibration` records the
-calibration text (file name, SHA-256, samples, seq_len). The graph itself is not changed.
+calibration text (file, SHA-256, windows). The graph itself is not changed.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 
 import onnx_ir as ir
 
+from layerdrop.formats import BLOCK_SCORE_KEY, CALIBRATION_KEY, SCORE_KEY
 from layerdrop.passes.find_residuals import ResidualRegion, annotated_regions
-
-SCORE_KEY = "layerdrop.score"
-BLOCK_SCORE_KEY = "layerdrop.block_score"
-CALIBRATION_KEY = "layerdrop.calibration"
-
-
-def _entry(score) -> str:
-    return json.dumps({"score": score.score, "norm_ratio": score.norm_ratio}, sort_keys=True)
+from layerdrop.passes.metadata import read_json, write_json
 
 
 class AttachScoresPass(ir.passes.InPlacePass):
-    """Write module scores (objects with layer, kind, score, norm_ratio) into region metadata."""
+    """Write module scores (objects with layer, kind, score, norm_ratio) into the annotated regions' metadata.
+
+    Raises:
+        LayerdropError: the model has no region annotations.
+    """
 
     def __init__(self, scores: Iterable, calibration: dict) -> None:
         super().__init__()
@@ -36,25 +33,26 @@ class AttachScoresPass(ir.passes.InPlacePass):
         by_key = {(r.kind, r.layer): r for r in regions}
         last_of_layer = {r.layer: r for r in regions}
         for score in self.scores:
+            entry = {"score": score.score, "norm_ratio": score.norm_ratio}
             if score.kind == "block":
-                last_of_layer[score.layer].add.metadata_props[BLOCK_SCORE_KEY] = _entry(score)
+                write_json(last_of_layer[score.layer].add.metadata_props, BLOCK_SCORE_KEY, entry)
             else:
-                by_key[(score.kind, score.layer)].add.metadata_props[SCORE_KEY] = _entry(score)
-        model.metadata_props[CALIBRATION_KEY] = json.dumps(self.calibration, sort_keys=True)
+                write_json(by_key[(score.kind, score.layer)].add.metadata_props, SCORE_KEY, entry)
+        write_json(model.metadata_props, CALIBRATION_KEY, self.calibration)
         return ir.passes.PassResult(model, modified=True)
 
 
 def read_scores(model: ir.Model, regions: list[ResidualRegion] | None = None) -> list[dict]:
     """The attached scores as rows {"layer", "kind", "score", "norm_ratio"}; [] for an unscored model.
 
-    Pass the model's `regions` when they are already found, to skip a second analysis.
+    Pass the model's `regions` when they are already rebuilt, to skip rebuilding them again.
     """
     rows = []
     for region in regions if regions is not None else annotated_regions(model):
         meta = region.add.metadata_props
         if SCORE_KEY in meta:
-            rows.append({"layer": region.layer, "kind": region.kind, **json.loads(meta[SCORE_KEY])})
+            rows.append({"layer": region.layer, "kind": region.kind, **read_json(meta, SCORE_KEY, {})})
         if BLOCK_SCORE_KEY in meta:
-            rows.append({"layer": region.layer, "kind": "block", **json.loads(meta[BLOCK_SCORE_KEY])})
+            rows.append({"layer": region.layer, "kind": "block", **read_json(meta, BLOCK_SCORE_KEY, {})})
     order = {"attn": 0, "harp": 0, "mlp": 1, "block": 2}
     return sorted(rows, key=lambda r: (r["layer"], order[r["kind"]]))

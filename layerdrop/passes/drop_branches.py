@@ -7,33 +7,14 @@ still reads them. KV-cache inputs and outputs are left to `PruneKvCachePass`.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 
 import onnx_ir as ir
 
 from layerdrop.errors import LayerdropError
-from layerdrop.passes.attach_scores import SCORE_KEY
-from layerdrop.passes.find_residuals import REGION_KEY, ResidualRegion, annotated_regions
-
-DROPPED_KEY = "layerdrop.dropped"
-
-
-def removed_modules(model: ir.Model) -> list[dict]:
-    """The modules earlier rewrites removed or bypassed, from model metadata (oldest first)."""
-    return json.loads(model.metadata_props.get(DROPPED_KEY, "[]"))
-
-
-def region_score(region: ResidualRegion) -> dict | None:
-    """The calibration score attached to a region's Add by `layerdrop score`, or None."""
-    text = region.add.metadata_props.get(SCORE_KEY)
-    return json.loads(text) if text else None
-
-
-def removal_record(region: ResidualRegion, how: str, reason: str, **extra) -> dict:
-    """The `layerdrop.dropped` entry for a region a rewrite removes or bypasses (with what PruneKvCachePass needs)."""
-    return {"kind": region.kind, "layer": region.layer, "how": how, "reason": reason, "score": region_score(region),
-            "kv_inputs": region.kv_inputs, "kv_outputs": region.kv_outputs, **extra}
+from layerdrop.formats import REGION_KEY
+from layerdrop.passes.find_residuals import ResidualRegion, annotated_regions
+from layerdrop.passes.metadata import record_removals, removal_record
 
 
 def expand_targets(regions: list[ResidualRegion], targets: Iterable[tuple[str, int]]) -> list[ResidualRegion]:
@@ -45,8 +26,7 @@ def expand_targets(regions: list[ResidualRegion], targets: Iterable[tuple[str, i
     by_key = {(r.kind, r.layer): r for r in regions}
     chosen: list[ResidualRegion] = []
     for kind, layer in targets:
-        kinds = ("attn", "mlp") if kind == "block" else (kind,)
-        for k in kinds:
+        for k in ("attn", "mlp") if kind == "block" else (kind,):
             region = by_key.get((k, layer))
             if region is None:
                 present = sorted({r.layer for r in regions if r.kind == k})
@@ -60,7 +40,8 @@ def expand_targets(regions: list[ResidualRegion], targets: Iterable[tuple[str, i
 
 
 def bypass(regions: list[ResidualRegion]) -> None:
-    """Make the consumers of each region's residual sum read its skip input, resolving chains of drops."""
+    """Make the consumers of each region's residual sum read its skip input, resolving chains of drops; the
+    regions' annotations go (their Adds no longer carry the stream)."""
     replacement: dict[ir.Value, ir.Value] = {}
     for region in regions:
         source = region.skip
@@ -68,6 +49,7 @@ def bypass(regions: list[ResidualRegion]) -> None:
             source = replacement[source]
         region.output.replace_all_uses_with(source, replace_graph_outputs=True)
         replacement[region.output] = source
+        region.add.metadata_props.pop(REGION_KEY, None)
 
 
 class DropBranchesPass(ir.passes.InPlacePass):
@@ -77,7 +59,11 @@ class DropBranchesPass(ir.passes.InPlacePass):
         targets: (kind, layer) pairs with kind "attn", "mlp" or "block".
         reason: a short note stored with each dropped module (e.g. "attn-8 one-shot").
 
-    Records every dropped module with its score and KV entries under model metadata `layerdrop.dropped`.
+    Reads the regions `FindResidualsPass` annotated; records every dropped module with its score and KV entries
+    under model metadata `layerdrop.dropped`.
+
+    Raises:
+        LayerdropError: unknown or repeated modules, or a model without region annotations.
     """
 
     def __init__(self, targets: Iterable[tuple[str, int]], reason: str = "explicit") -> None:
@@ -86,12 +72,7 @@ class DropBranchesPass(ir.passes.InPlacePass):
         self.reason = reason
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        regions = annotated_regions(model)
-        chosen = expand_targets(regions, self.targets)
-        history = removed_modules(model)
-        for region in chosen:
-            history.append(removal_record(region, "drop", self.reason))
-            region.add.metadata_props.pop(REGION_KEY, None)
+        chosen = expand_targets(annotated_regions(model), self.targets)
+        record_removals(model, [removal_record(region, "drop", self.reason) for region in chosen])
         bypass(chosen)
-        model.metadata_props[DROPPED_KEY] = json.dumps(history, sort_keys=True)
         return ir.passes.PassResult(model, modified=bool(chosen))

@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 import onnx_ir as ir
 
 from layerdrop.errors import LayerdropError
+from layerdrop.formats import NUM_LAYERS_KEY, REGION_KEY, SCOPES_KEY
 
-REGION_KEY = "layerdrop.region"
-SCOPES_KEY = "pkg.torch.onnx.name_scopes"
 ATTENTION_OPS = frozenset({"Softmax", "Attention", "MultiHeadAttention", "GroupQueryAttention"})
 PROJECTION_OPS = frozenset({"MatMul", "Gemm", "MatMulNBits", "FusedMatMul"})
 _LAYER_SCOPE = re.compile(r"layers\.(?:slice\([^)]*\)\.)?(\d+)$")
@@ -48,6 +47,7 @@ class ResidualRegion:
             "kind": self.kind,
             "layer": self.layer,
             "skip": self.skip.name,
+            "skip_input": 0 if self.add.inputs[0] is self.skip else 1,
             "norm_output": self.norm_output.name if self.norm_output is not None else None,
             "branch_nodes": len(self.branch),
             "kv_inputs": self.kv_inputs,
@@ -240,7 +240,8 @@ def _assign_layers(regions: list[ResidualRegion]) -> None:
 
 
 def _assign_kv(graph: ir.Graph, regions: list[ResidualRegion]) -> None:
-    """An attention branch owns the graph inputs it reads alone and the graph outputs it produces."""
+    """An attention branch owns the graph inputs it reads alone (not its skip input, which the first layer may take
+    straight from a graph input) and the graph outputs it produces."""
     readers: dict[str, set[int]] = {}
     for index, region in enumerate(regions):
         for node in region.branch:
@@ -252,33 +253,63 @@ def _assign_kv(graph: ir.Graph, regions: list[ResidualRegion]) -> None:
     for index, region in enumerate(regions):
         if region.kind != "attn":
             continue
-        owned = {name for name, who in readers.items() if who == {index}}
+        owned = {name for name, who in readers.items() if who == {index} and name != region.skip.name}
         region.kv_inputs = [name for name in input_names if name in owned]
         produced = {out.name for node in region.branch for out in node.outputs}
         region.kv_outputs = [name for name in output_names if name in produced]
 
 
 class FindResidualsPass(ir.passes.InPlacePass):
-    """Annotate each residual Add with its region (kind, layer, skip input, norm output, KV inputs/outputs).
-
-    Writes the JSON annotation under node metadata `layerdrop.region` and the layer count under model metadata
-    `layerdrop.num_layers`; it changes nothing else. Scores attached earlier (`layerdrop.score`) are kept.
+    """Analysis: annotate each residual Add with its region (kind, layer, which input is the skip, norm output,
+    KV inputs/outputs) under node metadata `layerdrop.region`, and the layer count under model metadata
+    `layerdrop.num_layers`. It changes nothing else, and reports `modified` only when an annotation changed, so
+    running it twice is a no-op. Rewrite passes read these annotations (`annotated_regions`).
 
     Raises:
         LayerdropError: the graph has no residual regions.
     """
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        annotated_regions(model)
-        return ir.passes.PassResult(model, modified=True)
+        before = _annotations(model)
+        regions = find_residual_regions(model.graph)
+        for node in model.graph:
+            node.metadata_props.pop(REGION_KEY, None)
+        for region in regions:
+            region.add.metadata_props[REGION_KEY] = json.dumps(region.annotation(), sort_keys=True)
+        model.metadata_props[NUM_LAYERS_KEY] = str(regions[-1].layer + 1)
+        return ir.passes.PassResult(model, modified=_annotations(model) != before)
+
+
+def _annotations(model: ir.Model) -> tuple:
+    return (model.metadata_props.get(NUM_LAYERS_KEY),
+            tuple((node.name, node.metadata_props[REGION_KEY]) for node in model.graph
+                  if REGION_KEY in node.metadata_props))
 
 
 def annotated_regions(model: ir.Model) -> list[ResidualRegion]:
-    """Find the regions of `model`, annotate them on their residual Adds, and return them."""
-    regions = find_residual_regions(model.graph)
+    """The regions `FindResidualsPass` annotated, rebuilt from the annotated Adds (in graph order).
+
+    Each region's skip input is the Add input the annotation names; its branch is every node on a path from it to
+    the Add's other input, as the analysis defined it, so a rewrite that rewired a skip input (a drop before it)
+    still finds the branch.
+
+    Raises:
+        LayerdropError: the model carries no annotations (run `FindResidualsPass` first).
+    """
+    order = {node: i for i, node in enumerate(model.graph)}
+    regions = []
     for node in model.graph:
-        node.metadata_props.pop(REGION_KEY, None)
-    for region in regions:
-        region.add.metadata_props[REGION_KEY] = json.dumps(region.annotation(), sort_keys=True)
-    model.metadata_props["layerdrop.num_layers"] = str(regions[-1].layer + 1)
+        recorded = _recorded(node)
+        if not recorded or "skip_input" not in recorded:
+            continue
+        skip, other = node.inputs[recorded["skip_input"]], node.inputs[1 - recorded["skip_input"]]
+        branch = _branch_nodes(skip, other, order)
+        if not branch:
+            raise LayerdropError(f"the annotation of {node.name} no longer matches the graph; run FindResidualsPass "
+                                 "again after rewriting")
+        regions.append(ResidualRegion(recorded["kind"], recorded["layer"], node, skip, other, branch,
+                                      _norm_output(branch), recorded.get("kv_inputs", []),
+                                      recorded.get("kv_outputs", [])))
+    if not regions:
+        raise LayerdropError("the model has no residual-region annotations; run FindResidualsPass on it first")
     return regions

@@ -23,8 +23,10 @@ import numpy as np
 import onnx_ir as ir
 
 from layerdrop.errors import LayerdropError
-from layerdrop.passes.drop_branches import DROPPED_KEY, bypass, removal_record, removed_modules
-from layerdrop.passes.find_residuals import PROJECTION_OPS, REGION_KEY, ResidualRegion, annotated_regions
+from layerdrop.formats import REGION_KEY
+from layerdrop.passes.drop_branches import bypass
+from layerdrop.passes.find_residuals import PROJECTION_OPS, ResidualRegion, annotated_regions
+from layerdrop.passes.metadata import head_layout_metadata, record_removals, removal_record
 
 
 def _weight(node: ir.Node) -> np.ndarray | None:
@@ -32,13 +34,20 @@ def _weight(node: ir.Node) -> np.ndarray | None:
     if node.op_type != "MatMul":
         return None
     value = node.inputs[1]
-    if value.const_value is not None:
-        return value.const_value.numpy()
+    constant = ir.convenience.get_const_tensor(value)
+    if constant is not None:
+        return constant.numpy()
     producer = value.producer()
-    if producer is not None and producer.op_type == "Transpose" and producer.inputs[0].const_value is not None:
-        perm = producer.attributes.get_ints("perm", None)
-        return np.transpose(producer.inputs[0].const_value.numpy(), perm)
+    if producer is not None and producer.op_type == "Transpose":
+        source = ir.convenience.get_const_tensor(producer.inputs[0])
+        if source is not None:
+            return np.transpose(source.numpy(), producer.attributes.get_ints("perm", None))
     return None
+
+
+def _constant(value: ir.Value | None) -> np.ndarray | None:
+    tensor = ir.convenience.get_const_tensor(value) if value is not None else None
+    return tensor.numpy() if tensor is not None else None
 
 
 def _bias_after(value: ir.Value) -> tuple[ir.Value, np.ndarray | None]:
@@ -46,9 +55,9 @@ def _bias_after(value: ir.Value) -> tuple[ir.Value, np.ndarray | None]:
     uses = value.uses()
     if len(uses) == 1 and uses[0].node.op_type == "Add":
         add = uses[0].node
-        other = add.inputs[1 - uses[0].idx]
-        if other is not None and other.const_value is not None:
-            return add.outputs[0], other.const_value.numpy()
+        other = _constant(add.inputs[1 - uses[0].idx])
+        if other is not None:
+            return add.outputs[0], other
     return value, None
 
 
@@ -66,9 +75,8 @@ def _reaches(start: ir.Value, targets: set[ir.Node], members: set[ir.Node]) -> b
 
 
 def _constant_ints(value: ir.Value | None) -> list[int] | None:
-    if value is None or value.const_value is None:
-        return None
-    return [int(v) for v in np.asarray(value.const_value.numpy()).reshape(-1)]
+    array = _constant(value)
+    return None if array is None else [int(v) for v in np.asarray(array).reshape(-1)]
 
 
 FUSED_ATTENTION = frozenset({"GroupQueryAttention", "MultiHeadAttention", "Attention"})
@@ -80,9 +88,9 @@ def _projection_of(value: ir.Value | None, members: set[ir.Node]) -> tuple[np.nd
     bias = None
     if producer is not None and producer.op_type == "Add" and producer in members:
         for index in (0, 1):
-            const = producer.inputs[1 - index]
-            if const is not None and const.const_value is not None and producer.inputs[index].producer() is not None:
-                bias, producer = const.const_value.numpy(), producer.inputs[index].producer()
+            const = _constant(producer.inputs[1 - index])
+            if const is not None and producer.inputs[index].producer() is not None:
+                bias, producer = const, producer.inputs[index].producer()
                 break
     if producer is None or producer not in members or _weight(producer) is None:
         return None
@@ -163,12 +171,9 @@ def head_layout(model: ir.Model) -> tuple[int, int, int]:
     Raises:
         LayerdropError: neither is there.
     """
-    meta = model.metadata_props
-    try:
-        return int(meta["layerdrop.num_attention_heads"]), int(meta["layerdrop.num_kv_heads"]), int(
-            meta["layerdrop.head_dim"])
-    except KeyError:
-        pass
+    recorded = head_layout_metadata(model)
+    if recorded is not None:
+        return recorded
     for node in model.graph:
         if node.op_type not in ("GroupQueryAttention", "MultiHeadAttention"):
             continue
@@ -214,30 +219,91 @@ def folded_vo(region: ResidualRegion, heads: int, kv_heads: int, head_dim: int):
 
 
 def initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    """Register a constant under `name` and return its value."""
     value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
                      const_value=ir.tensor(array, name=name))
     graph.register_initializer(value)
     return value
 
 
+def bypass_attention(graph: ir.Graph, region: ResidualRegion, layout: tuple[int, int, int],
+                     alpha: float | ir.Value, means: tuple[np.ndarray, np.ndarray] | None = None,
+                     keep: ir.Value | None = None) -> None:
+    """Rewrite one attention branch into  alpha * P(X) (+ m_B - alpha * m_P),  P(X) = Norm(X) W_V' W_O + b, after
+    the family's post-attention norm if it has one (module docstring).
+
+    `alpha` is a number, or a scalar graph input (a search's); with `keep` (a boolean scalar input) the branch is
+    Where(keep, attention, P) and its scale Where(keep, 1, alpha), so one graph computes both the kept layer and
+    every alpha of its bypass. This is the one place that writes the map; `HarpBypassPass` and the gated search
+    graph both call it.
+    """
+    o_node, o_out, matrix, bias = folded_vo(region, *layout)
+    dtype = matrix.dtype
+    prefix = f"layerdrop.harp.{region.layer}"
+    nodes = [ir.node("MatMul", [region.norm_output, initializer(graph, f"{prefix}.vo", matrix)])]
+    if bias is not None:
+        nodes.append(ir.node("Add", [nodes[-1].outputs[0], initializer(graph, f"{prefix}.bias", bias)]))
+    projected = nodes[-1].outputs[0]
+    graph.insert_before(o_node, nodes)
+    readers = [(use.node, use.idx) for use in o_out.uses()]
+    if keep is not None:
+        chosen = ir.node("Where", [keep, o_out, projected])
+        graph.insert_after(o_out.producer(), [chosen])
+        projected = chosen.outputs[0]
+    for node, index in readers:
+        node.replace_input_with(index, projected)
+    if o_out.is_graph_output():
+        raise LayerdropError(f"layer {region.layer}: the attention output is a graph output; HARP cannot bypass it")
+    branch_output = projected if region.branch_output is o_out else region.branch_output
+
+    tail: list[ir.Node] = []
+
+    def add(op: str, *inputs: ir.Value) -> ir.Value:
+        tail.append(ir.node(op, list(inputs)))
+        return tail[-1].outputs[0]
+
+    if isinstance(alpha, ir.Value):
+        scale = alpha
+        if keep is not None:
+            scale = add("Where", keep, initializer(graph, f"{prefix}.one", np.asarray(1.0, dtype=dtype)), alpha)
+    else:
+        scale = initializer(graph, f"{prefix}.alpha", np.asarray(alpha, dtype=dtype))
+    result = add("Mul", branch_output, scale)
+    if means is not None:  # + (m_B - alpha * m_P)
+        branch_mean, bypass_mean = (np.asarray(m, dtype=np.float64) for m in means)
+        if isinstance(alpha, ir.Value):
+            offset = add("Sub", initializer(graph, f"{prefix}.branch_mean", branch_mean.astype(dtype)),
+                         add("Mul", initializer(graph, f"{prefix}.bypass_mean", bypass_mean.astype(dtype)), alpha))
+            if keep is not None:
+                offset = add("Where", keep, initializer(graph, f"{prefix}.zero", np.asarray(0.0, dtype=dtype)),
+                             offset)
+        else:
+            offset = initializer(graph, f"{prefix}.shift", (branch_mean - alpha * bypass_mean).astype(dtype))
+        result = add("Add", result, offset)
+    graph.insert_before(region.add, tail)
+    region.add.replace_input_with(1 - _skip_index(region), result)
+
+
+def _skip_index(region: ResidualRegion) -> int:
+    return 0 if region.add.inputs[0] is region.skip else 1
+
+
 class HarpBypassPass(ir.passes.InPlacePass):
-    """Replace the attention of chosen layers by the rescaled V·O map.
+    """Replace the attention of chosen layers by the rescaled V·O map (`bypass_attention`).
 
     Args:
-        alphas: layer -> alpha in [0, 1], or layer -> the name of a scalar float graph input to create (used by
-            the alpha search, so one graph serves all candidates).
-        means: layer -> (m_B, m_P) [d] for the layers that get the mean shift (module docstring); numeric
-            alphas only (the planner's search builds its own gated graph, `alpha_search.gated_suffix_model`).
+        alphas: layer -> alpha in [0, 1]. Alpha 0 removes the branch (or, with the shift, leaves its mean).
+        means: layer -> (m_B, m_P) [d] for the layers that get the mean shift (module docstring).
 
-    Records each layer with its alpha, whether it is shifted, and KV entries under model metadata
-    `layerdrop.dropped` (how = "harp").
+    Reads the regions `FindResidualsPass` annotated; records each layer with its alpha, whether it is shifted,
+    and KV entries under model metadata `layerdrop.dropped` (how = "harp").
 
     Raises:
         LayerdropError: a layer has no attention region, or its V/O projections cannot be located.
     """
 
-    def __init__(self, alphas: dict[int, float | str],
-                 means: dict[int, tuple[np.ndarray, np.ndarray]] | None = None) -> None:
+    def __init__(self, alphas: dict[int, float], means: dict[int, tuple[np.ndarray, np.ndarray]] | None = None
+                 ) -> None:
         super().__init__()
         self.alphas = dict(alphas)
         self.means = dict(means or {})
@@ -249,59 +315,24 @@ class HarpBypassPass(ir.passes.InPlacePass):
         if missing:
             raise LayerdropError(f"no attention to bypass in layer(s) {missing}: the model's attention layers are "
                                  f"{sorted(regions)}")
-        heads, kv_heads, head_dim = head_layout(model)
-        history = removed_modules(model)
-        removed = []
+        layout = head_layout(model)
+        entries, removed = [], []
         for layer in sorted(self.alphas, reverse=True):
             region, alpha, means = regions[layer], self.alphas[layer], self.means.get(layer)
-            history.append(removal_record(region, "harp", "harp", alpha=alpha, shift=means is not None))
+            entries.append(removal_record(region, "harp", "harp", alpha=alpha, shift=means is not None))
             if alpha == 0 and means is None:
-                region.add.metadata_props.pop(REGION_KEY, None)
                 removed.append(region)
-            elif alpha == 0:
-                self._constant(graph, region, means[0])
-            else:
-                self._rewrite(graph, region, alpha, heads, kv_heads, head_dim, means)
+                continue
+            if alpha == 0:  # the shift alone: the branch becomes its calibration mean, a constant
+                dtype = region.skip.dtype.numpy() if region.skip.dtype is not None else np.float32
+                constant = initializer(graph, f"layerdrop.harp.{layer}.mean", means[0].astype(dtype))
+                region.add.replace_input_with(1 - _skip_index(region), constant)
+                region.add.metadata_props.pop(REGION_KEY, None)
+                continue
+            bypass_attention(graph, region, layout, alpha, means)
+            # Structure alone would call this branch an MLP now; the annotation keeps what it was.
+            region.add.metadata_props[REGION_KEY] = json.dumps({**region.annotation(), "kind": "harp"},
+                                                               sort_keys=True)
         bypass(sorted(removed, key=lambda r: r.layer))
-        model.metadata_props[DROPPED_KEY] = json.dumps(history, sort_keys=True)
-        return ir.passes.PassResult(model, modified=True)
-
-    @staticmethod
-    def _constant(graph, region: ResidualRegion, branch_mean: np.ndarray) -> None:
-        """alpha 0 with the mean shift: the branch becomes its calibration mean (the residual Add stays)."""
-        dtype = region.skip.dtype.numpy() if region.skip.dtype is not None else np.float32
-        constant = initializer(graph, f"layerdrop.harp.{region.layer}.mean", branch_mean.astype(dtype))
-        branch_index = 1 if region.add.inputs[1] is region.branch_output else 0
-        region.add.replace_input_with(branch_index, constant)
-        region.add.metadata_props.pop(REGION_KEY, None)
-
-    @staticmethod
-    def _rewrite(graph, region: ResidualRegion, alpha, heads, kv_heads, head_dim, means=None) -> None:
-        o_node, o_out, matrix, bias = folded_vo(region, heads, kv_heads, head_dim)
-        prefix = f"layerdrop.harp.{region.layer}"
-        projected = ir.node("MatMul", [region.norm_output, initializer(graph, f"{prefix}.vo", matrix)])
-        new_nodes = [projected]
-        result = projected.outputs[0]
-        if bias is not None:
-            biased = ir.node("Add", [result, initializer(graph, f"{prefix}.bias", bias)])
-            new_nodes.append(biased)
-            result = biased.outputs[0]
-        graph.insert_before(o_node, new_nodes)
-        o_out.replace_all_uses_with(result)
-        branch_output = result if region.branch_output is o_out else region.branch_output
-        # alpha scales the whole branch output (after a post-attention norm, if the family has one)
-        if isinstance(alpha, str):
-            scale = ir.Value(name=alpha, shape=ir.Shape([]), type=ir.TensorType(ir.DataType.from_numpy(matrix.dtype)))
-            graph.inputs.append(scale)
-        else:
-            scale = initializer(graph, f"{prefix}.alpha", np.asarray(alpha, dtype=matrix.dtype))
-        new_nodes = [ir.node("Mul", [branch_output, scale])]
-        if means is not None:  # + (m_B - alpha * m_P)
-            branch_mean, bypass_mean = (np.asarray(m, dtype=np.float64) for m in means)
-            offset = initializer(graph, f"{prefix}.shift", (branch_mean - alpha * bypass_mean).astype(matrix.dtype))
-            new_nodes.append(ir.node("Add", [new_nodes[0].outputs[0], offset]))
-        graph.insert_before(region.add, new_nodes)
-        branch_index = 1 if region.add.inputs[1] is branch_output else 0
-        region.add.replace_input_with(branch_index, new_nodes[-1].outputs[0])
-        # Structure alone would call this branch an MLP now; the annotation keeps what it was.
-        region.add.metadata_props[REGION_KEY] = json.dumps({**region.annotation(), "kind": "harp"}, sort_keys=True)
+        record_removals(model, entries)
+        return ir.passes.PassResult(model, modified=bool(self.alphas))

@@ -7,24 +7,11 @@ original layer.
 
 from __future__ import annotations
 
-import json
-import re
-
 import onnx_ir as ir
 
 from layerdrop.errors import LayerdropError
-from layerdrop.passes.drop_branches import DROPPED_KEY, removed_modules
-
-KV_LAYERS_KEY = "layerdrop.kv_layers"
-_KV_NAME = re.compile(r"^(past_key_values|present)\.(\d+)\.(key|value)$")
-
-
-def kv_layer_map(model: ir.Model) -> list[int]:
-    """Original layer index of each KV index of `model` (identity for an unpruned model)."""
-    if KV_LAYERS_KEY in model.metadata_props:
-        return json.loads(model.metadata_props[KV_LAYERS_KEY])
-    indices = {int(m.group(2)) for v in model.graph.inputs if (m := _KV_NAME.match(v.name or ""))}
-    return sorted(indices)
+from layerdrop.formats import DROPPED_KEY, KV_LAYERS_KEY, KV_NAME, is_past, kv_index, kv_name
+from layerdrop.passes.metadata import kv_layer_map, removed_modules, write_json
 
 
 def _same_shape(a: ir.Value, b: ir.Value) -> bool:
@@ -55,7 +42,7 @@ class PruneKvCachePass(ir.passes.InPlacePass):
             return ir.passes.PassResult(model, modified=False)
         for value in outputs:
             graph.outputs.remove(value)
-        survivors = [v for v in graph.inputs if _KV_NAME.match(v.name or "") and v.name not in doomed_inputs]
+        survivors = [v for v in graph.inputs if is_past(v.name) and v.name not in doomed_inputs]
         for value in inputs:
             if value.uses():
                 source = next((s for s in survivors if _same_shape(s, value)), None)
@@ -68,17 +55,17 @@ class PruneKvCachePass(ir.passes.InPlacePass):
         self._renumber(model, old_map)
         for entry in pending:
             entry["kv_pruned"] = True
-        model.metadata_props[DROPPED_KEY] = json.dumps(history, sort_keys=True)
+        write_json(model.metadata_props, DROPPED_KEY, history)
         return ir.passes.PassResult(model, modified=True)
 
     @staticmethod
     def _renumber(model: ir.Model, old_map: list[int]) -> None:
-        values = [v for v in [*model.graph.inputs, *model.graph.outputs] if _KV_NAME.match(v.name or "")]
-        kept = sorted({int(_KV_NAME.match(v.name).group(2)) for v in values})
+        values = [v for v in [*model.graph.inputs, *model.graph.outputs] if KV_NAME.match(v.name or "")]
+        kept = sorted({kv_index(v.name) for v in values})
         new_index = {old: new for new, old in enumerate(kept)}
         for value in values:  # two phases so a new name never collides with an old one
             value.name = f"__layerdrop_tmp__{value.name}"
         for value in values:
-            prefix, index, part = _KV_NAME.match(value.name.removeprefix("__layerdrop_tmp__")).groups()
-            value.name = f"{prefix}.{new_index[int(index)]}.{part}"
-        model.metadata_props[KV_LAYERS_KEY] = json.dumps([old_map[old] for old in kept])
+            prefix, index, part = KV_NAME.match(value.name.removeprefix("__layerdrop_tmp__")).groups()
+            value.name = kv_name(prefix, new_index[int(index)], part)
+        write_json(model.metadata_props, KV_LAYERS_KEY, [old_map[old] for old in kept])

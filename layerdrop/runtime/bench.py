@@ -173,7 +173,6 @@ def compare(base: Path, pruned: Path, *, seqs: tuple[int, ...] = (256, 1024), ba
     """Measure two model folders side by side (see module docstring); every ratio comes from these runs."""
     import platform
 
-    from layerdrop import api, model_folder
     from layerdrop.runtime.session import active_provider
 
     probe = make_session(Path(base) / "model.onnx", provider=provider, threads=threads)
@@ -186,7 +185,6 @@ def compare(base: Path, pruned: Path, *, seqs: tuple[int, ...] = (256, 1024), ba
         ideal = ideal_speedup(base, pruned, seq, provider=used, threads=threads)
         prefill.append({"seq": seq, "batch": batch, "base": base_t, "pruned": pruned_t,
                         "speedup": base_t["median_ms"] / pruned_t["median_ms"], **ideal})
-    kv = [api.kv_bytes_per_token(model_folder.load(folder)[1]) for folder in (base, pruned)]
     machine = f"{platform.machine()}, {os.cpu_count()} cores, {threads or 'default'} threads, {used}"
     return {
         "machine": machine,
@@ -194,7 +192,6 @@ def compare(base: Path, pruned: Path, *, seqs: tuple[int, ...] = (256, 1024), ba
         "prefill": prefill,
         "decode_tokens_per_s": dict(zip(("base", "pruned"), decode_tokens_per_second(
             [base, pruned], new_tokens=decode_tokens, provider=used, threads=threads))),
-        "kv_bytes_per_token": {"base": kv[0], "pruned": kv[1]},
         "model_bytes": {"base": model_bytes(base), "pruned": model_bytes(pruned)},
         "peak_memory_bytes": {name: peak_memory(folder, max(seqs), provider=used, threads=threads)
                               for name, folder in (("base", base), ("pruned", pruned))},

@@ -2,30 +2,35 @@
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import onnxruntime as ort
 
 from layerdrop.errors import LayerdropError
+from layerdrop.formats import is_past
 
-_PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
-_NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
+_NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
+                "tensor(bfloat16)": np.float32}
+
+
+def numpy_type(ort_type: str):
+    """The numpy dtype to feed for an ONNX Runtime tensor type (float32 when unknown)."""
+    return _NUMPY_TYPES.get(ort_type, np.float32)
 
 
 def is_kv_graph(session: ort.InferenceSession) -> bool:
-    return any(_PAST.match(i.name) for i in session.get_inputs())
+    """Whether the session takes KV-cache inputs."""
+    return any(is_past(i.name) for i in session.get_inputs())
 
 
 def empty_past(session: ort.InferenceSession, batch: int) -> dict[str, np.ndarray]:
     """Zero-length past tensors [batch, kv_heads, 0, head_dim] for every cache input."""
     feed = {}
     for info in session.get_inputs():
-        if _PAST.match(info.name):
+        if is_past(info.name):
             _, heads, _, head_dim = info.shape
             if not isinstance(heads, int) or not isinstance(head_dim, int):
                 raise LayerdropError(f"cache input {info.name} has no static head count/size; re-export the model")
-            feed[info.name] = np.zeros((batch, heads, 0, head_dim), dtype=_NUMPY_TYPES.get(info.type, np.float32))
+            feed[info.name] = np.zeros((batch, heads, 0, head_dim), dtype=numpy_type(info.type))
     return feed
 
 
@@ -56,7 +61,7 @@ def prefill_feed(
             feed[info.name] = mask
         elif info.name == "position_ids":
             feed[info.name] = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
-        elif not _PAST.match(info.name):
+        elif not is_past(info.name):
             raise LayerdropError(f"the graph has an input layerdrop cannot fill: {info.name!r}")
     feed.update(empty_past(session, ids.shape[0]))
     return feed

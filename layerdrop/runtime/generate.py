@@ -7,11 +7,8 @@ from collections.abc import Callable
 import numpy as np
 import onnxruntime as ort
 
+from layerdrop.formats import is_present, past_for
 from layerdrop.runtime.feeds import is_kv_graph, prefill_feed
-
-
-def _present_to_past(name: str) -> str:
-    return "past_key_values." + name.removeprefix("present.")
 
 
 def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -70,7 +67,7 @@ def greedy_batch(
         ids = np.concatenate([ids, tokens[:, None]], axis=1)
         mask = np.concatenate([mask, np.ones((batch, 1), dtype=np.int64)], axis=1)
         if kv:
-            feed = {_present_to_past(n): v for n, v in outputs.items() if n.startswith("present.")}
+            feed = {past_for(n): v for n, v in outputs.items() if is_present(n)}
             feed["input_ids"] = tokens[:, None]
             feed["attention_mask"] = mask
             if "position_ids" in input_names:

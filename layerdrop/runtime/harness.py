@@ -6,7 +6,6 @@ hook in `layerdrop/_lm_eval_hook.py`; `layerdrop eval MODEL --tasks ...` uses it
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +20,7 @@ except ImportError:  # pragma: no cover - exercised only without the extra
     raise LayerdropError("lm-eval is not installed; install the eval extra: pip install -e '.[eval]'") from None
 from tqdm import tqdm
 
+from layerdrop.runtime.evaluate import token_logprobs
 from layerdrop.runtime.feeds import prefill_feed
 from layerdrop.runtime.generate import greedy_batch, left_pad
 from layerdrop.runtime.session import make_session
@@ -28,34 +28,6 @@ from layerdrop.windows import load_tokenizer
 
 DEFAULT_MAX_LENGTH = 2048
 DEFAULT_BATCH = 8
-
-
-def write_local_task(folder: Path, name: str, rows: list[dict], *, output_type: str, doc_to_text: str,
-                     doc_to_target: str, metrics: list[str], doc_to_choice: str | None = None,
-                     generation_kwargs: dict | None = None) -> Path:
-    """Write an lm-eval task over local rows: `name.jsonl` and `name.yaml` in `folder` (use it as --include-path).
-
-    Values go into the YAML as JSON, which YAML reads as written (stop strings with newlines included).
-    """
-    folder = Path(folder)
-    data = folder / f"{name}.jsonl"
-    data.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
-    config = {"task": name, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data)}},
-              "test_split": "test", "output_type": output_type, "doc_to_text": doc_to_text,
-              "doc_to_target": doc_to_target, "metric_list": [{"metric": m} for m in metrics]}
-    if doc_to_choice is not None:
-        config["doc_to_choice"] = doc_to_choice
-    if generation_kwargs is not None:
-        config["generation_kwargs"] = generation_kwargs
-    path = folder / f"{name}.yaml"
-    path.write_text("".join(f"{key}: {json.dumps(value)}\n" for key, value in config.items()), encoding="utf-8")
-    return path
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """log-softmax over the last axis, in float64."""
-    shifted = logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
 
 def _batch_size(value) -> int:
@@ -97,7 +69,7 @@ class LayerdropLM(TemplateLM):
         if not path:
             raise LayerdropError("give the model folder: --model_args path=OUTDIR")
         # one read of the graph: checked (external data, with clear errors) and run as it was written
-        self.folder, model = model_folder.load(Path(path), split_skip_norms=False)
+        self.folder, model = model_folder.load(Path(path))
         if provider is None:
             provider = "cuda" if device and str(device).startswith("cuda") else "cpu"
         self.session = make_session(model, folder=self.folder.path, provider=provider,
@@ -177,9 +149,9 @@ class LayerdropLM(TemplateLM):
                 logits = self._logits([inputs[i] for i in chunk])
                 for row, index in enumerate(chunk):
                     key, _context, continuation = requests[index]
-                    scores = log_softmax(logits[row, -len(continuation):])
-                    picked = scores[np.arange(len(continuation)), continuation]
-                    answer = (float(picked.sum()), bool((scores.argmax(axis=-1) == continuation).all()))
+                    chosen = logits[row, -len(continuation):]
+                    picked = token_logprobs(chosen, np.asarray(continuation))
+                    answer = (float(picked.sum()), bool((chosen.argmax(axis=-1) == continuation).all()))
                     answers[index] = answer
                     if key is not None:
                         self.cache_hook.add_partial("loglikelihood", key, answer)

@@ -60,7 +60,7 @@ def make_session(
         from layerdrop import model_folder
 
         # builder graphs, run as they are but with a static cache head size (see model_folder)
-        folder, model = model_folder.load(model, split_skip_norms=False)
+        folder, model = model_folder.load(model)
         folder = folder.path
     if isinstance(model, ir.Model):
         if folder is None:

@@ -23,7 +23,8 @@ import numpy as np
 import onnx_ir as ir
 from tqdm import tqdm
 
-from layerdrop.runtime.alpha_search import ALPHA_GRID, GatedSuffix, best_alpha, greedy_alpha_search
+from layerdrop.search.alpha_search import ALPHA_GRID, GatedSuffix, best_alpha, greedy_alpha_search
+from layerdrop.search.selection import lowest_layers
 
 
 @dataclass
@@ -61,7 +62,7 @@ class _Evaluator:
 
 def candidate_pool(scores: dict[int, float], budget: int, extra: int) -> list[int]:
     """The `budget + extra` lowest-scored attention layers: the planner's candidates."""
-    return sorted(scores, key=lambda layer: (scores[layer], layer))[: min(len(scores), budget + extra)]
+    return lowest_layers(scores, min(len(scores), budget + extra))
 
 
 def plan_attention(

@@ -1,4 +1,4 @@
-"""`layerdrop pipeline`: export -> score -> drop or HARP -> eval -> bench, every stage's output kept in OUTDIR.
+"""`layerdrop pipeline`: export -> score -> drop or HARP -> eval -> bench, each stage's output kept in OUTDIR.
 
 Each stage writes a stamp (`layerdrop-stage.json`) with a fingerprint of its inputs and options; with `resume`
 a stage whose output exists and whose stamp matches is skipped.
@@ -12,8 +12,15 @@ import sys
 import time
 from pathlib import Path
 
-from layerdrop import api
+from layerdrop.api.common import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, write_json
+from layerdrop.api.drop import drop
+from layerdrop.api.evaluate import evaluate
+from layerdrop.api.harp import harp
+from layerdrop.api.inspect import inspect
+from layerdrop.api.reports import side_by_side
+from layerdrop.api.score import score
 from layerdrop.errors import LayerdropError
+from layerdrop.model_folder import write_atomically
 from layerdrop.windows import Sampling, TextSource
 
 STAMP = "layerdrop-stage.json"
@@ -42,12 +49,12 @@ def _stage(name: str, folder: Path, fingerprint: str, resume: bool, run) -> bool
     print(f"[{name}] ...", file=sys.stderr)
     start = time.perf_counter()
     run()
-    (folder / STAMP).write_text(json.dumps({"stage": name, "fingerprint": fingerprint}) + "\n")
+    write_atomically(folder / STAMP, json.dumps({"stage": name, "fingerprint": fingerprint}) + "\n")
     print(f"[{name}] done in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return True
 
 
-def run_pipeline(
+def pipeline(
     model: Path | None,
     out_dir: Path,
     *,
@@ -56,12 +63,13 @@ def run_pipeline(
     attn: int | None = None,
     joint: int | None = None,
     harp_top: int | None = None,
-    samples: int = api.DEFAULT_SAMPLES,
-    seq_len: int = api.DEFAULT_SEQ_LEN,
+    samples: int = DEFAULT_SAMPLES,
+    seq_len: int = DEFAULT_SEQ_LEN,
     eval_samples: int = 32,
     bench_seq: tuple[int, ...] = (256, 1024),
     bench_runs: int = 5,
     sampling: Sampling = Sampling(),
+    batch_size: int = 1,
     provider: str = "cpu",
     threads: int | None = None,
     resume: bool = False,
@@ -91,69 +99,40 @@ def run_pipeline(
         exported = source  # already an ONNX folder: start from it
     else:
         def export() -> None:
-            from layerdrop.export.onnx_export import export_folder
-            export_folder(source, exported, kv_cache=True, force=True)
+            from layerdrop.api.export import export as export_model
+            export_model(source, exported, kv_cache=True, force=True)
         redo |= _stage("export", exported, key, resume, export)
 
     key = _fingerprint("score", _stamp_of(exported) or str(exported), _file_digest(calib), samples, seq_len,
                        sampling)
-    redo |= _stage("score", scored, key, resume and not redo, lambda: api.score(
+    redo |= _stage("score", scored, key, resume and not redo, lambda: score(
         exported, scored, calib=calib, samples=samples, seq_len=seq_len, sampling=sampling, provider=provider,
         threads=threads, force=True, progress=progress))
 
-    layers = int(api.inspect(scored)["regions"][-1]["layer"]) + 1
+    layers = int(inspect(scored)["regions"][-1]["layer"]) + 1
     if harp_top is not None:
         method = f"harp-{harp_top}"
         key = _fingerprint("harp", _stamp_of(scored), harp_top, _file_digest(calib), sampling, fuse)
-        _stage(method, pruned, key, resume and not redo, lambda: api.harp(
-            scored, pruned, top=harp_top, search=True, search_text=calib, sampling=sampling, provider=provider,
+        _stage(method, pruned, key, resume and not redo, lambda: harp(
+            scored, pruned, top=harp_top, search=True, search_text=calib, sampling=sampling, batch_size=batch_size,
+            provider=provider,
             threads=threads, force=True, progress=progress, fuse=fuse))
     else:
         counts = {"joint": joint} if joint is not None else {"attn": attn if attn is not None else max(1, layers // 4)}
         method = "-".join(f"{k}-{v}" for k, v in counts.items())
         key = _fingerprint("drop", _stamp_of(scored), counts, fuse)
         _stage(method, pruned, key, resume and not redo,
-               lambda: api.drop(scored, pruned, counts=counts, force=True, fuse=fuse))
+               lambda: drop(scored, pruned, counts=counts, force=True, fuse=fuse))
 
     print("[eval] ...", file=sys.stderr)
-    quality = [api.evaluate(folder, text=eval_text, samples=eval_samples, seq_len=seq_len, sampling=sampling,
-                            provider=provider, threads=threads, progress=progress) for folder in (exported, pruned)]
+    quality = [evaluate(folder, text=eval_text, samples=eval_samples, seq_len=seq_len, sampling=sampling,
+                        batch_size=batch_size, provider=provider, threads=threads, progress=progress)
+               for folder in (exported, pruned)]
     print("[bench] ...", file=sys.stderr)
-    from layerdrop.runtime.bench import compare
+    from layerdrop.api.bench import bench
 
-    speed = compare(exported, pruned, seqs=bench_seq, runs=bench_runs, provider=provider, threads=threads)
+    speed = bench(exported, pruned, seqs=bench_seq, runs=bench_runs, provider=provider, threads=threads)
     report = {"method": method, "base": str(exported), "pruned": str(pruned), "quality": quality, "bench": speed}
-    api.write_json(report, out_dir / "report.json")
-    table = side_by_side(speed, method, quality)
-    (out_dir / "report.md").write_text(table + "\n", encoding="utf-8")
+    write_json(report, out_dir / "report.json")
+    write_atomically(out_dir / "report.md", side_by_side(speed, method, quality) + "\n")
     return report
-
-
-def side_by_side(bench: dict, method: str, quality: list[dict] | None = None) -> str:
-    """The closing table (markdown) of `pipeline` and `bench`: base vs rewritten model, with ratios."""
-    rows = []
-    if quality:
-        base_q, pruned_q = quality
-        rows.append(("perplexity", f"{base_q['perplexity']:.2f}", f"{pruned_q['perplexity']:.2f}",
-                     f"{pruned_q['perplexity'] / base_q['perplexity']:.2f}x"))
-    for entry in bench["prefill"]:
-        rows.append((f"prefill {entry['seq']} tokens (median ms)", f"{entry['base']['median_ms']:.0f}",
-                     f"{entry['pruned']['median_ms']:.0f}",
-                     f"{entry['speedup']:.2f}x faster (ideal {entry['ideal']:.2f}x)"))
-    decode = bench["decode_tokens_per_s"]
-    if decode["base"] and decode["pruned"]:
-        rows.append(("decode tokens/s", f"{decode['base']:.1f}", f"{decode['pruned']:.1f}",
-                     f"{decode['pruned'] / decode['base']:.2f}x"))
-    kv = bench["kv_bytes_per_token"]
-    if kv["base"]:
-        rows.append(("KV cache bytes/token", f"{kv['base']}", f"{kv['pruned']}", f"{kv['pruned'] / kv['base']:.3f}"))
-    size = bench["model_bytes"]
-    rows.append(("model file bytes", f"{size['base']:,}", f"{size['pruned']:,}",
-                 f"{size['pruned'] / size['base']:.3f}"))
-    memory = bench.get("peak_memory_bytes", {})
-    if memory.get("base") and memory.get("pruned"):
-        rows.append(("peak memory (MiB)", f"{memory['base'] / 2**20:.0f}", f"{memory['pruned'] / 2**20:.0f}",
-                     f"{memory['pruned'] / memory['base']:.3f}"))
-    lines = [f"| {bench['machine']} | base | {method} | ratio |", "|---|---|---|---|"]
-    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
-    return "\n".join(lines)

@@ -1,4 +1,5 @@
-"""Parsers for command-line values: module lists, layer=alpha lists, byte sizes. Each raises LayerdropError."""
+"""Parsers for command-line values: module lists, layer=alpha lists, byte sizes, providers. Each raises
+LayerdropError, which the parser turns into its one-line usage error."""
 
 from __future__ import annotations
 
@@ -89,3 +90,16 @@ def parse_count(text: str) -> int:
     if value < 1:
         raise LayerdropError(f"count {value} must be at least 1")
     return value
+
+
+PROVIDERS = {"cpu": "cpu", "cuda": "cuda", "auto": "auto", "cpuexecutionprovider": "cpu",
+             "cudaexecutionprovider": "cuda"}
+
+
+def parse_provider(text: str) -> str:
+    """'cpu', 'cuda' or 'auto', or ONNX Runtime's provider names (CPUExecutionProvider, CUDAExecutionProvider)."""
+    provider = PROVIDERS.get(text.strip().lower())
+    if provider is None:
+        raise LayerdropError(f"unknown provider {text!r}; use cpu, cuda, auto, CPUExecutionProvider or "
+                             "CUDAExecutionProvider")
+    return provider

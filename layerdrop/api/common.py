@@ -1,0 +1,103 @@
+"""What every command shares: opening a model for analysis, saving a rewritten one, windows, the rewrite pass
+list, JSON outputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from layerdrop import model_folder
+from layerdrop.formats import FUSIONS_KEY
+from layerdrop.passes.cleanup import cleanup_passes, run_passes
+from layerdrop.passes.drop_branches import DropBranchesPass
+from layerdrop.passes.find_residuals import FindResidualsPass
+from layerdrop.passes.fold_alpha import fold_alpha_rules
+from layerdrop.passes.harp_bypass import HarpBypassPass
+from layerdrop.passes.metadata import calibration_record, kv_layer_map, read_json, updated_genai_config
+from layerdrop.passes.prune_kv_cache import PruneKvCachePass
+from layerdrop.passes.unfuse_skip_norm import UnfuseSkipNormPass
+from layerdrop.windows import Sampling, Windows, draw_windows
+
+DEFAULT_SAMPLES = 64
+DEFAULT_SEQ_LEN = 256
+
+
+def open_model(path: Path) -> tuple[model_folder.ModelFolder, ir.Model]:
+    """A model folder's graph ready for analysis: fused skip-norms split into Add + norm (builder graphs), so every
+    residual is visible, and every residual region annotated.
+
+    Raises:
+        LayerdropError: an unreadable folder, or a graph without residual regions.
+    """
+    folder, model = model_folder.load(path)
+    run_passes(model, [UnfuseSkipNormPass(), FindResidualsPass()])
+    return folder, model
+
+
+def save_model(model: ir.Model, out_dir: Path, source: model_folder.ModelFolder, *, force: bool) -> Path:
+    """Write a rewritten model as a folder beside its source's files; a genai_config.json follows the rewrite."""
+    extra = {}
+    config = model_folder.genai_config(source.path)
+    if config:
+        source_graph = ir.serde.deserialize_model(onnx.load(source.onnx_path, load_external_data=False))
+        extra[model_folder.GENAI_CONFIG] = json.dumps(
+            updated_genai_config(config, kv_layer_map(source_graph), model), indent=4)
+    return model_folder.save(model, out_dir, source=source, force=force, extra_files=extra)
+
+
+def windows_for(folder: Path, text: Path | None, *, role: str, samples: int | None, seq_len: int,
+                sampling: Sampling = Sampling(), calibration_sha256: str | None = None) -> Windows:
+    """Windows of `text` (default: the bundled text of the role) for `role`, with the folder's tokenizer and
+    context length (see `layerdrop.windows.draw_windows`)."""
+    limit = model_folder.config(folder).get("max_position_embeddings")
+    return draw_windows(folder, text, role=role, samples=samples, seq_len=seq_len, sampling=sampling,
+                        max_positions=limit, calibration_sha256=calibration_sha256)
+
+
+def calibration_sha256(model: ir.Model) -> str | None:
+    """The SHA-256 of the text the model's scores came from (None for an unscored model)."""
+    record = calibration_record(model)
+    return record.get("sha256") if isinstance(record, dict) else None
+
+
+def rewrite_passes(drops: list[tuple[str, int]], alphas: dict[int, float], reason: str, fuse: bool = False,
+                   means: dict | None = None) -> list[ir.passes.PassBase]:
+    """The passes that apply drops and HARP bypasses (mean-shifted for the layers in `means`) to an annotated
+    model, fold alphas, prune the KV cache, clean up and annotate again; with `fuse`, ONNX Runtime fusions last
+    of all (which also restores a builder graph's skip-norms)."""
+    from onnxscript.rewriter import RewritePass
+
+    passes: list[ir.passes.PassBase] = []
+    if drops:
+        passes.append(DropBranchesPass(drops, reason=reason))
+    if alphas:
+        passes += [HarpBypassPass(alphas, means), RewritePass(fold_alpha_rules())]
+    passes += [PruneKvCachePass(), *cleanup_passes(), FindResidualsPass()]
+    if fuse:
+        from layerdrop.passes.ort_fusions import OrtFusionPass
+
+        passes += [OrtFusionPass(), *cleanup_passes()]
+    return passes
+
+
+def fusions(model: ir.Model) -> dict[str, int]:
+    """The ONNX Runtime fusions applied to the model, by name."""
+    return read_json(model.metadata_props, FUSIONS_KEY, {})
+
+
+def write_json(data: dict, path: Path) -> None:
+    """Write JSON atomically (temporary name, then rename)."""
+    text = json.dumps(data, indent=2, sort_keys=True, default=_json_default) + "\n"
+    model_folder.write_atomically(Path(path), text)
+
+
+def _json_default(value):
+    if isinstance(value, (np.floating, np.integer)):
+        return value.item()
+    if isinstance(value, (Path, Sampling)):
+        return str(value)
+    raise TypeError(type(value).__name__)

@@ -1,0 +1,46 @@
+"""Markdown tables that commands print and write (the pipeline's report.md, the planner's comparison)."""
+
+from __future__ import annotations
+
+
+def side_by_side(bench: dict, method: str, quality: list[dict] | None = None) -> str:
+    """The closing table (markdown) of `pipeline` and `bench`: base vs rewritten model, with ratios."""
+    rows = []
+    if quality:
+        base_q, pruned_q = quality
+        rows.append(("perplexity", f"{base_q['perplexity']:.2f}", f"{pruned_q['perplexity']:.2f}",
+                     f"{pruned_q['perplexity'] / base_q['perplexity']:.2f}x"))
+    for entry in bench["prefill"]:
+        rows.append((f"prefill {entry['seq']} tokens (median ms)", f"{entry['base']['median_ms']:.0f}",
+                     f"{entry['pruned']['median_ms']:.0f}",
+                     f"{entry['speedup']:.2f}x faster (ideal {entry['ideal']:.2f}x)"))
+    decode = bench["decode_tokens_per_s"]
+    if decode["base"] and decode["pruned"]:
+        rows.append(("decode tokens/s", f"{decode['base']:.1f}", f"{decode['pruned']:.1f}",
+                     f"{decode['pruned'] / decode['base']:.2f}x"))
+    kv = bench["kv_bytes_per_token"]
+    if kv["base"]:
+        rows.append(("KV cache bytes/token", f"{kv['base']}", f"{kv['pruned']}", f"{kv['pruned'] / kv['base']:.3f}"))
+    size = bench["model_bytes"]
+    rows.append(("model file bytes", f"{size['base']:,}", f"{size['pruned']:,}",
+                 f"{size['pruned'] / size['base']:.3f}"))
+    memory = bench.get("peak_memory_bytes", {})
+    if memory.get("base") and memory.get("pruned"):
+        rows.append(("peak memory (MiB)", f"{memory['base'] / 2**20:.0f}", f"{memory['pruned'] / 2**20:.0f}",
+                     f"{memory['pruned'] / memory['base']:.3f}"))
+    lines = [f"| {bench['machine']} | base | {method} | ratio |", "|---|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
+    return "\n".join(lines)
+
+
+def plan_table(result: dict) -> str:
+    """The planner's comparison (markdown): every method at the same budget, search and held-out perplexity."""
+    count = result["attention_layers"]
+    lines = [f"| method ({count} attention layers, KV kept {result['kv_fraction_kept']:.3f}) | layers: alpha "
+             "(0 = drop, or the mean with the shift) | search ppl | held-out ppl |", "|---|---|---|---|",
+             f"| baseline | - | {result['baseline']['search_ppl']:.2f} | {result['baseline']['eval_ppl']:.2f} |"]
+    for row in result["methods"]:
+        alphas = " ".join(f"{k}:{v:g}" for k, v in sorted(row["alphas"].items(), key=lambda kv: -int(kv[0])))
+        name = f"**{row['method']}**" if row == result["pick"] else row["method"]
+        lines.append(f"| {name} | {alphas} | {row['search_ppl']:.2f} | {row['eval_ppl']:.2f} |")
+    return "\n".join(lines)

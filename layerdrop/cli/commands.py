@@ -1,0 +1,193 @@
+"""One handler per subcommand: call the API with the parsed arguments, print what it returns."""
+
+from __future__ import annotations
+
+from layerdrop import api, model_folder
+from layerdrop.cli.options import parse_modules
+from layerdrop.cli.parser import sampling
+from layerdrop.cli.tables import harness_table, print_fusions, print_scores, removal_text
+from layerdrop.errors import LayerdropError, OverBudget
+
+
+def _progress(args) -> bool:
+    return not getattr(args, "no_progress", False)
+
+
+def _runtime(args) -> dict:
+    return {"provider": args.provider, "threads": args.threads}
+
+
+def cmd_export(args) -> int:
+    out = api.export(args.model, args.output, kv_cache=not args.no_kv_cache, dtype=args.dtype, force=args.force,
+                     trust_remote_code=args.trust_remote_code)
+    print(f"exported {'without' if args.no_kv_cache else 'with'} KV cache to {out}")
+    return 0
+
+
+def cmd_score(args) -> int:
+    result = api.score(args.model, args.output, calib=args.calib, samples=args.samples, seq_len=args.seq_len,
+                       sampling=sampling(args), batch_size=args.batch, force=args.force, progress=_progress(args),
+                       compare=args.compare, top_n=args.top_n, **_runtime(args))
+    print_scores(result["regions"])
+    if "compare" in result:
+        c = result["compare"]
+        print(f"rank overlap: {c['shared']} of the {c['n']} lowest modules are shared with {args.compare.name}")
+    if args.json:
+        api.write_json(result, args.json)
+    if args.output:
+        print(f"scored model written to {args.output}")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    info = api.inspect(args.model)
+    print(f"family: {info['family'] or 'unknown'}   nodes: {info['nodes']}   regions: {len(info['regions'])}")
+    kv = info["kv_bytes_per_token"]
+    kv_text = f"{kv} bytes/token ({len(info['kv_layers'])} cached layers)" if kv else "none (no KV-cache inputs)"
+    print(f"KV cache: {kv_text}")
+    rows = info["regions"] + [{**b, "kind": "block"} for b in info["blocks"]]
+    print_scores(rows)
+    if info["calibration"]:
+        c = info["calibration"]
+        bos = ", each after a BOS" if c.get("bos") else ""
+        print(f"scores from {c['file']} ({c['samples']} x {c['seq_len']} tokens{bos}, sha256 {c['sha256'][:12]})")
+    if info["removed"]:
+        print("removed or bypassed: " + ", ".join(removal_text(entry) for entry in info["removed"]))
+    if args.plot:
+        scored = [r for r in rows if "score" in r]
+        if not scored:
+            raise LayerdropError(f"{args.model} has no scores to plot; run `layerdrop score` first")
+        api.plot_scores(scored, args.plot)
+        print(f"plot written to {args.plot}")
+    if args.json:
+        api.write_json(info, args.json)
+    return 0
+
+
+def cmd_drop(args) -> int:
+    targets = parse_modules(args.drop) if args.drop else None
+    counts = {k: getattr(args, k) for k in ("attn", "mlp", "block", "joint")}
+    result = api.drop(args.model, args.output, targets=targets, counts=counts, iterative=args.iterative,
+                      calib=args.calib, samples=args.samples, seq_len=args.seq_len, sampling=sampling(args),
+                      force=args.force, progress=_progress(args), fuse=args.fuse, **_runtime(args))
+    names = ", ".join(f"{e['kind']}:{e['layer']}" for e in result["dropped"])
+    print(f"dropped {names}; nodes {result['nodes']['before']} -> {result['nodes']['after']}; written to {args.output}")
+    print_fusions(result["fusions"], args.fuse)
+    if args.json:
+        api.write_json(result, args.json)
+    return 0
+
+
+def cmd_harp(args) -> int:
+    result = api.harp(args.model, args.output, alphas=args.alpha, top=args.top, search=args.search,
+                      search_text=args.search_text, samples=args.samples, seq_len=args.seq_len,
+                      sampling=sampling(args), batch_size=args.batch_size, force=args.force,
+                      progress=_progress(args), fuse=args.fuse, **_runtime(args))
+    print_fusions(result["fusions"], args.fuse)
+    alphas = ", ".join(f"{layer}={alpha:g}" for layer, alpha in sorted(result["alphas"].items(), reverse=True))
+    searched = f" (searched in {result['search_seconds']:.0f} s)" if result["trials"] else ""
+    print(f"HARP alphas {alphas}{searched}; written to {args.output}")
+    if args.json:
+        api.write_json(result, args.json)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    if args.tasks:
+        return _eval_tasks(args)
+    folders = [args.model] + ([args.vs] if args.vs else [])
+    results = [api.evaluate(f, text=args.text, samples=args.samples, seq_len=args.seq_len, sampling=sampling(args),
+                            batch_size=args.batch or 1, progress=_progress(args), **_runtime(args))
+               for f in folders]
+    for folder, result in zip(folders, results):
+        bos = ", each window after a BOS" if result["text"].get("bos") else ""
+        print(f"{str(folder):<40} perplexity {result['perplexity']:9.3f}   ({result['tokens']} predicted tokens "
+              f"of {result['text']['file']}{bos})")
+    if len(results) == 2:
+        print(f"ratio {results[1]['perplexity'] / results[0]['perplexity']:.3f}")
+    report = {"models": [{"path": str(f), **r} for f, r in zip(folders, results)]}
+    if args.prompt:
+        report["generations"] = []
+        for folder in folders:
+            text = api.generate_text(folder, args.prompt, args.max_new_tokens, provider=args.provider)
+            report["generations"].append({"path": str(folder), "text": text})
+            print(f"--- {folder}\n{args.prompt}{text}")
+    if args.json:
+        api.write_json(report, args.json)
+    return 0
+
+
+def _eval_tasks(args) -> int:
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise LayerdropError("--tasks is empty; name lm-eval tasks, e.g. --tasks hellaswag,arc_easy")
+    folders = [args.model] + ([args.vs] if args.vs else [])
+    for folder in folders:
+        model_folder.load(folder)  # both folders are checked before minutes of evaluation
+    results = [api.harness(f, tasks, limit=args.limit, include_path=args.include_path, num_fewshot=args.num_fewshot,
+                           batch_size=args.batch or 8, provider=args.provider, progress=_progress(args))
+               for f in folders]
+    text, rows = harness_table([str(f) for f in folders], results)
+    print(text)
+    if args.json:
+        api.write_json({"models": [str(f) for f in folders], "tasks": rows,
+                        "generations": [r["generations"] for r in results]}, args.json)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from layerdrop.api.reports import side_by_side
+    from layerdrop.runtime.bench import plot_prefill
+
+    result = api.bench(args.base, args.pruned, seqs=args.seq, batch=args.batch, runs=args.runs,
+                       decode_tokens=args.decode, **_runtime(args))
+    print(side_by_side(result, "pruned"))
+    if args.json:
+        api.write_json(result, args.json)
+    if args.plot:
+        plot_prefill(result, args.plot)
+    return 0
+
+
+def cmd_check(args) -> int:
+    verdict = api.check(args.model, max_bytes=args.max_bytes, max_kv_bytes_per_token=args.max_kv_bytes_per_token,
+                        max_attention_layers=args.max_attention_layers)
+    if args.json:
+        api.write_json({k: v for k, v in verdict.items() if k != "over"}, args.json)
+    if verdict["over"]:
+        raise OverBudget("over budget: " + "; ".join(verdict["over"]))
+    print("within budget: " + ", ".join(f"{k} {verdict['measured'][k]:,}" for k, v in verdict["limits"].items()
+                                        if v is not None))
+    return 0
+
+
+def cmd_pipeline(args) -> int:
+    from layerdrop.api.reports import side_by_side
+
+    report = api.pipeline(args.model, args.output, calib=args.calib, eval_text=args.eval, attn=args.attn,
+                          joint=args.joint, harp_top=args.harp, samples=args.samples, seq_len=args.seq_len,
+                          eval_samples=args.eval_samples, bench_seq=args.seq, bench_runs=args.runs,
+                          sampling=sampling(args), batch_size=args.batch_size, resume=args.resume,
+                          force=args.force, progress=_progress(args), fuse=args.fuse, **_runtime(args))
+    print(side_by_side(report["bench"], report["method"], report["quality"]))
+    print(f"all stages and report.json are in {args.output}")
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from layerdrop.api.reports import plan_table
+
+    result = api.plan(args.model, args.output, budget=args.budget, calib=args.calib, eval_text=args.eval,
+                      samples=args.samples, search_samples=args.search_samples, eval_samples=args.eval_samples,
+                      seq_len=args.seq_len, sampling=sampling(args), batch_size=args.batch_size, extra=args.extra,
+                      shift=args.shift,
+                      force=args.force, progress=_progress(args), **_runtime(args))
+    print(plan_table(result))
+    print(f"pick: {result['pick']['method']}; search took {result['search_seconds']:.0f} s; written to {args.output}")
+    if args.json:
+        api.write_json(result, args.json)
+    return 0
+
+
+COMMANDS = {"export": cmd_export, "score": cmd_score, "inspect": cmd_inspect, "drop": cmd_drop, "harp": cmd_harp,
+            "eval": cmd_eval, "bench": cmd_bench, "check": cmd_check, "pipeline": cmd_pipeline, "plan": cmd_plan}

@@ -1,0 +1,67 @@
+"""The tables and lines the commands print."""
+
+from __future__ import annotations
+
+
+def print_scores(rows: list[dict]) -> None:
+    by_layer: dict[int, dict[str, dict]] = {}
+    for row in rows:
+        by_layer.setdefault(row["layer"], {})[row["kind"]] = row
+    print(f"{'layer':>5}  {'attn S':>9} {'|Y|/|X|':>7}  {'mlp S':>9} {'|Y|/|X|':>7}  {'block S':>9} {'|Y|/|X|':>7}")
+    for layer in sorted(by_layer):
+        cells = []
+        for kind in ("attn", "mlp", "block"):
+            row = by_layer[layer].get(kind)
+            scored = row and "score" in row
+            cells.append(f"{row['score']:9.5f} {row['norm_ratio']:7.3f}" if scored else f"{'-':>9} {'':>7}")
+        print(f"{layer:>5}  " + "  ".join(cells))
+
+
+def removal_text(entry: dict) -> str:
+    """attn:29, or attn:29(alpha 0.5) for a HARP bypass, with ", mean shift" when the planner shifted it."""
+    if "alpha" not in entry:
+        return f"{entry['kind']}:{entry['layer']}"
+    return f"{entry['kind']}:{entry['layer']}(alpha {entry['alpha']}{', mean shift' if entry.get('shift') else ''})"
+
+
+def print_fusions(counts: dict[str, int], asked: bool) -> None:
+    if asked:
+        fused = ", ".join(f"{name} x{count}" for name, count in counts.items()) or "nothing matched"
+        print(f"ONNX Runtime fusions: {fused}")
+
+
+def harness_table(names: list[str], results: list[dict]) -> tuple[str, list[dict]]:
+    """Task scores of one or two models side by side (with the difference), as text and as rows."""
+    rows = []
+    for task in sorted(results[0]["scores"]):
+        for metric, _ in sorted(results[0]["scores"][task].items()):
+            values = [r["scores"].get(task, {}).get(metric, (float("nan"), None)) for r in results]
+            row = {"task": task, "metric": metric, "scores": [v for v, _ in values],
+                   "stderr": [e for _, e in values]}
+            if len(results) == 2:
+                row["difference"] = values[1][0] - values[0][0]
+            rows.append(row)
+
+    def number(value: float) -> str:
+        return f"{value:.4f}" if abs(value) < 1e4 else f"{value:.4e}"
+
+    def cell(value: float, stderr: float | None) -> str:
+        return f"{number(value)} ± {number(stderr)}" if stderr is not None else number(value)
+
+    labels = ["base", "vs"][: len(names)] if len(names) == 2 else ["score"]
+    lines = [f"{label}: {name}" for label, name in zip(labels, names)] + [""]
+    header = f"{'task':<20} {'metric':<16} " + " ".join(f"{label:>24}" for label in labels)
+    header += f" {'difference (vs - base)':>23}" if len(results) == 2 else ""
+    lines.append(header)
+    for row in rows:
+        line = f"{row['task']:<20} {row['metric']:<16} " + " ".join(
+            f"{cell(v, e):>24}" for v, e in zip(row["scores"], row["stderr"]))
+        lines.append(line + (f" {row['difference']:>+23.4f}" if "difference" in row else ""))
+    for task in sorted(results[0]["generations"]):
+        lines.append(f"\ngenerations, {task} (first {len(results[0]['generations'][task])}):")
+        for index, sample in enumerate(results[0]["generations"][task]):
+            lines.append(f"  [{index}] prompt: ...{sample['prompt'][-60:]!r}   target: {sample['target'][:40]!r}")
+            for label, result in zip(labels, results):
+                output = result["generations"][task][index]["output"]
+                lines.append(f"      {label:>6}: {output[:100]!r}")
+    return "\n".join(lines), rows

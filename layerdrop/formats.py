@@ -1,0 +1,60 @@
+"""What layerdrop's files say and how they name things: metadata keys and KV-cache names.
+
+Shared by every stage (the exporter writes some keys, passes read and write the rest, the runtime pairs cache
+inputs with outputs), so it sits below all of them and imports nothing of layerdrop.
+"""
+
+from __future__ import annotations
+
+import re
+
+# -- model metadata (ModelProto.metadata_props) ---------------------------------------------------------------------
+FAMILY_KEY = "layerdrop.family"              # the exporter: Hugging Face model_type
+NUM_LAYERS_KEY = "layerdrop.num_layers"      # the exporter, then the region analysis
+KV_CACHE_KEY = "layerdrop.kv_cache"          # the exporter: "1" with a KV cache
+HEADS_KEY = "layerdrop.num_attention_heads"  # the exporter: the head layout HARP needs
+KV_HEADS_KEY = "layerdrop.num_kv_heads"
+HEAD_DIM_KEY = "layerdrop.head_dim"
+CALIBRATION_KEY = "layerdrop.calibration"    # scores: where the calibration windows came from
+DROPPED_KEY = "layerdrop.dropped"            # every module a rewrite removed or bypassed, oldest first
+KV_LAYERS_KEY = "layerdrop.kv_layers"        # original layer of each kept KV-cache index
+FUSIONS_KEY = "layerdrop.ort_fusions"        # counts of ONNX Runtime fusions applied
+HARP_SEARCH_KEY = "layerdrop.harp_search"    # alpha search: text, every trial, seconds
+PLAN_KEY = "layerdrop.plan"                  # the planner's table and pick
+
+# -- node metadata (on a region's residual Add) ---------------------------------------------------------------------
+REGION_KEY = "layerdrop.region"              # the analysis: kind, layer, skip input, norm output, KV names
+SCORE_KEY = "layerdrop.score"                # {"score", "norm_ratio"} of the region
+BLOCK_SCORE_KEY = "layerdrop.block_score"    # the block's score, on the Add that ends the block
+SCOPES_KEY = "pkg.torch.onnx.name_scopes"    # torch.onnx's provenance (a cross-check for layer numbers)
+
+# -- KV-cache names (optimum's and onnxruntime-genai's convention) -------------------------------------------------
+KV_NAME = re.compile(r"^(past_key_values|present)\.(\d+)\.(key|value)$")
+
+
+def is_past(name: str | None) -> bool:
+    """A cache input: past_key_values.{i}.key / .value."""
+    match = KV_NAME.match(name or "")
+    return bool(match) and match.group(1) == "past_key_values"
+
+
+def is_present(name: str | None) -> bool:
+    """A cache output: present.{i}.key / .value."""
+    match = KV_NAME.match(name or "")
+    return bool(match) and match.group(1) == "present"
+
+
+def kv_index(name: str | None) -> int | None:
+    """The layer index in a cache name, or None for any other name."""
+    match = KV_NAME.match(name or "")
+    return int(match.group(2)) if match else None
+
+
+def kv_name(prefix: str, index: int, part: str) -> str:
+    """past_key_values.{index}.{part} or present.{index}.{part}."""
+    return f"{prefix}.{index}.{part}"
+
+
+def past_for(present: str) -> str:
+    """The cache input a cache output feeds at the next step."""
+    return "past_key_values." + present.removeprefix("present.")

@@ -1,0 +1,56 @@
+"""Rewrite pass for searches: one graph in which chosen attention layers can be kept or bypassed at any alpha.
+
+Each layer l of the pool reads two scalar inputs, `layerdrop_keep_<l>` (bool) and `layerdrop_alpha_<l>` (float):
+kept, it is the original attention; otherwise its branch is HARP's alpha * V·O map (mean-shifted where `means`
+has the layer), written by the same `bypass_attention` that `HarpBypassPass` uses. A search then feeds move sets
+as inputs instead of building a graph for each.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from layerdrop.errors import LayerdropError
+from layerdrop.passes.find_residuals import annotated_regions
+from layerdrop.passes.harp_bypass import bypass_attention, head_layout
+
+ALPHA_INPUT = "layerdrop_alpha"
+KEEP_INPUT = "layerdrop_keep"
+
+
+class GatedBypassPass(ir.passes.InPlacePass):
+    """Give each attention layer of `layers` a keep input and an alpha input (module docstring).
+
+    Raises:
+        LayerdropError: a layer has no attention region, or its V/O projections cannot be located.
+    """
+
+    def __init__(self, layers: list[int], means: dict[int, tuple[np.ndarray, np.ndarray]] | None = None) -> None:
+        super().__init__()
+        self.layers = sorted(layers)
+        self.means = dict(means or {})
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        regions = {r.layer: r for r in annotated_regions(model) if r.kind == "attn"}
+        missing = sorted(set(self.layers) - set(regions))
+        if missing:
+            raise LayerdropError(f"no attention region in layer(s) {missing} to search")
+        layout = head_layout(model)
+        for layer in self.layers:
+            keep = ir.Value(name=f"{KEEP_INPUT}_{layer}", shape=ir.Shape([]), type=ir.TensorType(ir.DataType.BOOL))
+            alpha = ir.Value(name=f"{ALPHA_INPUT}_{layer}", shape=ir.Shape([]),
+                             type=ir.TensorType(regions[layer].skip.dtype or ir.DataType.FLOAT))
+            graph.inputs.extend([keep, alpha])
+            bypass_attention(graph, regions[layer], layout, alpha, self.means.get(layer), keep=keep)
+        return ir.passes.PassResult(model, modified=bool(self.layers))
+
+
+def move_feeds(layers: list[int], moves: dict[int, float], dtype=np.float32) -> dict[str, np.ndarray]:
+    """The keep and alpha inputs of a gated graph over `layers` for `moves` (layer -> alpha; others kept)."""
+    feeds = {}
+    for layer in layers:
+        feeds[f"{KEEP_INPUT}_{layer}"] = np.asarray(layer not in moves)
+        feeds[f"{ALPHA_INPUT}_{layer}"] = np.asarray(moves.get(layer, 1.0), dtype=dtype)
+    return feeds

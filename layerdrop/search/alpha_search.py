@@ -1,0 +1,103 @@
+"""The search engine: perplexities of move sets over a pool of attention layers, and HARP's greedy alpha search
+(SPEC §4) on top of it.
+
+A move set maps layers to alphas (0: dropped, or its mean with the shift); every other pool layer keeps its
+attention. All move sets over a pool run in one gated graph per start layer (`passes.gated_search`: keep and
+alpha are inputs), cut to start at the hidden state entering that layer (`passes.graph_cuts`), which is computed
+once from the unmodified model: layers below the lowest changed one are the original's for every candidate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+from tqdm import tqdm
+
+from layerdrop.errors import LayerdropError
+from layerdrop.model_folder import copy_model
+from layerdrop.passes.cleanup import run_passes
+from layerdrop.passes.gated_search import GatedBypassPass, move_feeds
+from layerdrop.passes.graph_cuts import HIDDEN_INPUT, suffix_to_logits
+from layerdrop.runtime.evaluate import perplexity
+from layerdrop.runtime.feeds import numpy_type
+from layerdrop.runtime.session import make_session
+from layerdrop.search.measure import attention_entries, hidden_states_at
+
+ALPHA_GRID = tuple(round(0.1 * i, 1) for i in range(11))
+
+
+class GatedSuffix:
+    """Perplexities of move sets over a fixed pool of layers on fixed windows, without a graph per move set: one
+    gated suffix session for the current start layer (rebuilt only when the start changes)."""
+
+    def __init__(self, model: ir.Model, folder: Path, windows: np.ndarray, layers: list[int],
+                 means: dict[int, tuple[np.ndarray, np.ndarray]] | None = None, *, batch_size: int = 1,
+                 **session_args) -> None:
+        self.model, self.folder, self.windows, self.layers = model, folder, windows, sorted(layers)
+        self.means, self.batch_size, self.session_args = means, batch_size, session_args
+        self.entries = attention_entries(model)
+        unknown = sorted(set(self.layers) - set(self.entries))
+        if unknown:
+            raise LayerdropError(f"layers {unknown} have no attention to search")
+        self.hidden = hidden_states_at(model, folder, windows, self.layers, **session_args)
+        self.start: int | None = None
+        self.session = None
+
+    def _session(self, start: int):
+        if start != self.start:
+            self.session = None  # free the old graph's weights before building the next
+            gated = copy_model(self.model)
+            run_passes(gated, [GatedBypassPass([k for k in self.layers if k >= start], self.means)])
+            graph = suffix_to_logits(gated, self.entries[start])
+            self.start, self.session = start, make_session(graph, folder=self.folder, **self.session_args)
+        return self.session
+
+    def perplexity(self, moves: dict[int, float], start: int | None = None) -> float:
+        """Perplexity with `moves` (layer -> alpha) applied and every other pool layer kept, run from the pool
+        layer `start` (default: the lowest moved layer; a fixed start saves building a graph per start)."""
+        unknown = sorted(set(moves) - set(self.layers))
+        if unknown:
+            raise LayerdropError(f"layers {unknown} are not in the search pool {self.layers}")
+        start = min(moves) if start is None else min(start, *moves)
+        session, states = self._session(start), self.hidden[start]
+        inputs = {i.name: i.type for i in session.get_inputs()}
+        gated = [k for k in self.layers if k >= start]
+        dtype = numpy_type(inputs.get(f"layerdrop_alpha_{gated[0]}", "tensor(float)"))
+        extra = {k: v for k, v in move_feeds(gated, moves, dtype).items() if k in inputs}
+        return perplexity(session, self.windows, batch_size=self.batch_size,
+                          feed_extra=lambda rows: {**extra, HIDDEN_INPUT: states[rows]}).perplexity
+
+
+def best_alpha(sweep: dict[float, float]) -> float:
+    """The alpha with the lowest perplexity (the smaller alpha on a tie)."""
+    return min(sweep, key=lambda alpha: (sweep[alpha], alpha))
+
+
+@dataclass
+class SearchResult:
+    """Chosen alphas (layer -> alpha) and every perplexity tried, in search order."""
+
+    alphas: dict[int, float] = field(default_factory=dict)
+    trials: list[dict] = field(default_factory=list)
+
+
+def greedy_alpha_search(model: ir.Model, folder: Path, windows: np.ndarray, layers: list[int], *,
+                        grid: tuple[float, ...] = ALPHA_GRID, progress: bool = True, **session_args) -> SearchResult:
+    """Choose an alpha for each of `layers` in the order given (top-down for HARP) by perplexity on `windows`:
+    while a layer is searched, the ones before it keep their chosen alphas and the rest keep their attention."""
+    result = SearchResult()
+    suffix = GatedSuffix(model, folder, windows, list(layers), **session_args)
+    bar = tqdm(total=len(layers) * len(grid), desc="alpha search", unit="try", disable=not progress, leave=False)
+    for layer in layers:
+        sweep = {}
+        for alpha in grid:
+            sweep[alpha] = suffix.perplexity({**result.alphas, layer: alpha})
+            result.trials.append({"layer": layer, "alpha": alpha, "perplexity": sweep[alpha]})
+            bar.set_postfix(layer=layer, best=f"{min(sweep.values()):.2f}")
+            bar.update()
+        result.alphas[layer] = best_alpha(sweep)
+    bar.close()
+    return result

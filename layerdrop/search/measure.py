@@ -1,0 +1,77 @@
+"""Measurements that take a graph cut (passes) and run it (runtime): module scores, the hidden states entering
+chosen layers, and the calibration means of the mean shift."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+
+from layerdrop.passes.calibration_taps import calibration_model
+from layerdrop.passes.find_residuals import annotated_regions
+from layerdrop.passes.graph_cuts import bypass_taps, with_outputs
+from layerdrop.runtime.feeds import prefill_feed
+from layerdrop.runtime.scoring import ModuleScore, run_scores
+from layerdrop.runtime.session import make_session
+from layerdrop.windows import Windows
+
+
+def compute_scores(model: ir.Model, folder: Path, windows: Windows, *, batch_size: int = 1, provider: str = "cpu",
+                   threads: int | None = None, progress: bool = True) -> list[ModuleScore]:
+    """Score every attention, MLP and block module of `model` (annotated, not modified) on `windows` in ONNX
+    Runtime; its external weights are read from `folder`.
+
+    Returns:
+        One ModuleScore per module, sorted by layer, then attn, mlp, block.
+    """
+    calib, rows = calibration_model(model)
+    session = make_session(calib, folder=folder, provider=provider, threads=threads)
+    return run_scores(session, rows, windows, batch_size=batch_size, progress=progress)
+
+
+def attention_entries(model: ir.Model) -> dict[int, str]:
+    """The name of the hidden state entering each attention layer (its region's skip input)."""
+    return {r.layer: r.skip.name for r in annotated_regions(model) if r.kind == "attn"}
+
+
+def hidden_states_at(model: ir.Model, folder: Path, windows: np.ndarray, layers: list[int], **session_args
+                     ) -> dict[int, np.ndarray]:
+    """The hidden state entering each layer's attention, for every window: {layer: [n, seq, d]}."""
+    entries = attention_entries(model)
+    names = [entries[layer] for layer in layers]
+    session = make_session(with_outputs(model, names), folder=folder, **session_args)
+    unique = list(dict.fromkeys(names))
+    parts: dict[str, list[np.ndarray]] = {name: [] for name in unique}
+    for row in windows:
+        for name, array in zip(unique, session.run(unique, prefill_feed(session, row[None]))):
+            parts[name].append(array)
+    return {layer: np.concatenate(parts[name]) for layer, name in zip(layers, names)}
+
+
+def branch_means(model: ir.Model, folder: Path, windows: Windows, layers: list[int], **session_args
+                 ) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """For each attention layer, the calibration means (float64, [d]) of its branch output, m_B, and of its
+    unscaled V·O bypass P (alpha 1), m_P, both on the unmodified model's hidden states (the mean shift's
+    constants, see `HarpBypassPass`), over the windows' text tokens (a BOS is left out).
+
+    Two graphs: the model itself, returning each layer's input and branch output; and `bypass_taps`, where each
+    bypass reads that layer's input from the first run instead of the rewritten stream.
+    """
+    layers = sorted(layers)
+    regions = {r.layer: r for r in annotated_regions(model) if r.kind == "attn"}
+    taps = [name for layer in layers for name in (regions[layer].skip.name, regions[layer].branch_output.name)]
+    first = make_session(with_outputs(model, taps), folder=folder, **session_args)
+    bypassed, names = bypass_taps(model, layers)
+    second = make_session(bypassed, folder=folder, **session_args)
+    sums = {layer: [0.0, 0.0] for layer in layers}
+    for row, real in zip(windows.ids, windows.real):
+        arrays = dict(zip(taps, first.run(taps, prefill_feed(first, row[None]))))
+        states = {names[layer][0]: arrays[regions[layer].skip.name] for layer in layers}
+        outputs = [names[layer][1] for layer in layers]
+        projected = dict(zip(outputs, second.run(outputs, prefill_feed(second, row[None], extra=states))))
+        for layer in layers:
+            sums[layer][0] += arrays[regions[layer].branch_output.name][0, real].astype(np.float64).sum(0)
+            sums[layer][1] += projected[names[layer][1]][0, real].astype(np.float64).sum(0)
+    tokens = int(windows.real.sum())
+    return {layer: (pair[0] / tokens, pair[1] / tokens) for layer, pair in sums.items()}

@@ -1,0 +1,121 @@
+"""Which modules: the n lowest scores (one tie-break everywhere), paper 1's iterative selection, and budgets
+turned into a count of attention layers."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import asdict
+from pathlib import Path
+
+import onnx_ir as ir
+
+from layerdrop.errors import LayerdropError
+from layerdrop.passes.attach_scores import AttachScoresPass
+from layerdrop.passes.cleanup import cleanup_passes, run_passes
+from layerdrop.passes.drop_branches import DropBranchesPass
+from layerdrop.passes.find_residuals import FindResidualsPass, annotated_regions
+from layerdrop.passes.prune_kv_cache import PruneKvCachePass
+from layerdrop.search.measure import compute_scores
+from layerdrop.windows import Windows
+
+BUDGET_KINDS = ("attn", "kv", "speedup")
+
+
+def _order(row: dict) -> tuple:
+    return (row["score"], row["layer"], row["kind"])  # the tie-break: lower layer, then kind
+
+
+def select_lowest(rows: list[dict], kinds: tuple[str, ...], count: int) -> list[tuple[str, int]]:
+    """The `count` lowest-scored modules among `kinds`, as (kind, layer); ties go to the lower layer.
+
+    Raises:
+        LayerdropError: count is not positive or larger than the modules there are.
+    """
+    pool = [r for r in rows if r["kind"] in kinds]
+    label = "+".join(kinds)
+    if count < 1:
+        raise LayerdropError(f"the {label} count must be at least 1 (got {count})")
+    if count > len(pool):
+        raise LayerdropError(f"asked to drop {count} {label} modules but the model has {len(pool)}")
+    return [(r["kind"], r["layer"]) for r in sorted(pool, key=_order)[:count]]
+
+
+def lowest_layers(scores: dict[int, float], count: int) -> list[int]:
+    """The `count` layers with the lowest scores (layer -> score), with the same tie-break."""
+    rows = [{"layer": layer, "kind": "attn", "score": score} for layer, score in scores.items()]
+    return [layer for _, layer in select_lowest(rows, ("attn",), count)] if count else []
+
+
+def rank_overlap(first: list[dict], second: list[dict], n: int, kinds: Iterable[str] = ("attn", "mlp")) -> dict:
+    """How many of the n lowest-scored modules two rankings share (over the given kinds)."""
+    kinds = tuple(kinds)
+    a = select_lowest(first, kinds, min(n, sum(r["kind"] in kinds for r in first)))
+    b = select_lowest(second, kinds, min(n, sum(r["kind"] in kinds for r in second)))
+    return {"n": n, "shared": len(set(a) & set(b)), "first": a, "second": b}
+
+
+def selection_kinds(counts: dict[str, int]) -> list[tuple[tuple[str, ...], int]]:
+    """Score-based counts ({"attn": n, "mlp": n, "block": n, "joint": n}) as (kinds, n) selections."""
+    kinds = {"attn": ("attn",), "mlp": ("mlp",), "block": ("block",), "joint": ("attn", "mlp")}
+    return [(kinds[key], counts[key]) for key in kinds if counts.get(key) is not None]
+
+
+def drop_iteratively(model: ir.Model, folder: Path, windows: Windows, kinds: tuple[str, ...], count: int,
+                     provider: str = "cpu", threads: int | None = None, progress: bool = True) -> None:
+    """Drop the lowest-scored module, re-score the pruned graph, repeat `count` times (SPEC §3, iterative)."""
+    label = "joint" if len(kinds) > 1 else kinds[0]
+    for step in range(count):
+        scores = compute_scores(model, folder, windows, provider=provider, threads=threads, progress=progress)
+        target = select_lowest([asdict(s) for s in scores], kinds, count - step)[:1]
+        run_passes(model, [AttachScoresPass(scores, windows.source),
+                           DropBranchesPass(target, reason=f"{label}-{count} iterative step {step + 1}"),
+                           PruneKvCachePass(), *cleanup_passes(), FindResidualsPass()])
+
+
+def parse_budget(text: str, attention_layers: int) -> tuple[str, float, int | None]:
+    """'attn=8' | 'kv=0.75' | 'speedup=1.2' or 'speedup=1.2@1024' -> (kind, value, seq for speedup).
+
+    Raises:
+        LayerdropError: an unknown or out-of-range budget.
+    """
+    kind, sep, value = text.partition("=")
+    if not sep or kind not in BUDGET_KINDS:
+        raise LayerdropError(f"bad --budget {text!r}: use attn=N, kv=FRACTION or speedup=X[@TOKENS]")
+    value, _, seq = value.partition("@")
+    try:
+        number = float(value)
+        seq_len = int(seq) if seq else None
+    except ValueError:
+        raise LayerdropError(f"bad --budget {text!r}: {value!r} is not a number") from None
+    if kind == "attn" and not (number.is_integer() and 1 <= number <= attention_layers):
+        raise LayerdropError(f"--budget attn={value} must be a whole number from 1 to {attention_layers}")
+    if kind == "kv" and not 0 <= number < 1:
+        raise LayerdropError(f"--budget kv={value} must be a fraction in [0, 1) of the KV cache to keep")
+    if kind == "speedup" and not number > 1:
+        raise LayerdropError(f"--budget speedup={value} must be above 1")
+    return kind, number, seq_len
+
+
+def attention_count_for(kind: str, value: float, seq: int | None, model: ir.Model, folder: Path,
+                        scores: dict[int, float], threads: int | None) -> int:
+    """How many attention layers a budget asks to remove or bypass (the lowest-scored first for a speedup: until
+    the profile-based ideal reaches it)."""
+    from layerdrop.runtime.bench import node_times
+
+    layers = len(scores)
+    if kind == "attn":
+        return int(value)
+    if kind == "kv":
+        return max(1, math.ceil(layers * (1 - value) - 1e-9))
+    times = node_times(folder, seq or 1024, runs=2, threads=threads)
+    branch_time = {r.layer: sum(times.get(n.name, 0.0) for n in r.branch)
+                   for r in annotated_regions(model) if r.kind == "attn"}
+    total = sum(times.values())
+    saved = 0.0
+    for count, layer in enumerate(lowest_layers(scores, layers), start=1):
+        saved += branch_time.get(layer, 0.0)
+        if total / max(total - saved, 1e-9) >= value:
+            return count
+    raise LayerdropError(f"--budget speedup={value} is out of reach by removing attention alone "
+                         f"(all {layers} layers give {total / max(total - saved, 1e-9):.2f}x)")
