@@ -56,12 +56,7 @@ class ResidualRegion:
 
 
 def _is_constant(value: ir.Value | None) -> bool:
-    if value is None:
-        return True
-    if value.const_value is not None or value.is_initializer():
-        return True
-    producer = value.producer()
-    return producer is not None and producer.op_type == "Constant"
+    return value is None or value.is_initializer() or ir.convenience.get_const_tensor(value) is not None
 
 
 def _ancestors(value: ir.Value, stop_before: int, order: dict[ir.Node, int]) -> set[ir.Node]:

@@ -15,9 +15,10 @@ from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSe
 
 
 def _constant(value: ir.Value | None) -> np.ndarray | None:
-    if value is None or value.const_value is None or value.is_graph_input():
+    if value is None or value.is_graph_input():
         return None
-    return value.const_value.numpy()
+    tensor = ir.convenience.get_const_tensor(value)
+    return None if tensor is None else tensor.numpy()
 
 
 def _scalar(value: ir.Value) -> bool:
