@@ -55,6 +55,8 @@ def make_session(
         provider = "cuda" if "CUDAExecutionProvider" in ort.get_available_providers() else "cpu"
     if provider not in _PROVIDERS:
         raise LayerdropError(f"unknown provider {provider!r}; use cpu, cuda or auto")
+    if provider == "cuda" and hasattr(ort, "preload_dlls"):
+        ort.preload_dlls()  # onnxruntime-gpu finds CUDA and cuDNN where PyTorch's wheels installed them
     options = _options(threads, profile_prefix, optimize, arena)
     if not isinstance(model, ir.Model) and (Path(model).parent / "genai_config.json").is_file():
         from layerdrop import model_folder

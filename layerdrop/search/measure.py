@@ -8,9 +8,13 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
+from layerdrop.model_folder import load
 from layerdrop.passes.calibration_taps import calibration_model
-from layerdrop.passes.find_residuals import annotated_regions
+from layerdrop.passes.cleanup import run_passes
+from layerdrop.passes.find_residuals import FindResidualsPass, annotated_regions
 from layerdrop.passes.graph_cuts import bypass_taps, with_outputs
+from layerdrop.passes.unfuse_skip_norm import UnfuseSkipNormPass
+from layerdrop.runtime.bench import node_times
 from layerdrop.runtime.feeds import prefill_feed
 from layerdrop.runtime.scoring import ModuleScore, run_scores
 from layerdrop.runtime.session import make_session
@@ -75,3 +79,22 @@ def branch_means(model: ir.Model, folder: Path, windows: Windows, layers: list[i
             sums[layer][1] += projected[names[layer][1]][0, real].astype(np.float64).sum(0)
     tokens = int(windows.real.sum())
     return {layer: (pair[0] / tokens, pair[1] / tokens) for layer, pair in sums.items()}
+
+
+def branch_ideal(folder: Path, attention_layers: list[int], seq: int, **session_args) -> dict:
+    """The profile-based ideal speedup of removing the attention branches of `attention_layers` from the graph in
+    `folder`: its node time over its node time minus those branches' (ONNX Runtime profile at `seq` tokens).
+
+    Unlike a comparison of node names, this holds for fused graphs, whose fused nodes are renumbered on every
+    rewrite: the branches are found in the graph itself (skip-norms split for the analysis only; their time, a
+    norm shared with the next branch, is not counted). For HARP's bypass it is an upper bound (the V·O MatMul
+    stays).
+    """
+    _, model = load(folder)
+    run_passes(model, [UnfuseSkipNormPass(), FindResidualsPass()])
+    times = node_times(folder, seq, **session_args)
+    wanted = set(attention_layers)
+    removed = sum(times.get(node.name, 0.0) for region in annotated_regions(model)
+                  if region.kind == "attn" and region.layer in wanted for node in region.branch)
+    total = sum(times.values())
+    return {"ideal": total / max(total - removed, 1e-9), "removed_share": removed / total if total else 0.0}
