@@ -230,3 +230,50 @@ def perplexity(model: torch.nn.Module, windows: np.ndarray) -> float:
     with torch.no_grad():
         losses = [model(torch.tensor(row[None]), labels=torch.tensor(row[None])).loss.double() for row in windows]
     return float(torch.exp(torch.stack(losses).mean()))
+
+
+class _Fitted(torch.nn.Module):
+    """An attention module replaced by a fitted map of its (normalized) input: x W + b."""
+
+    def __init__(self, weight: np.ndarray, bias: np.ndarray, dtype) -> None:
+        super().__init__()
+        self.weight = torch.tensor(weight, dtype=dtype)
+        self.bias = torch.tensor(bias, dtype=dtype)
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states @ self.weight + self.bias, None
+
+
+def fitted(model: torch.nn.Module, windows: np.ndarray, layers, ridge: float):
+    """The reference for the fit move, fitted here from PyTorch hooks: bottom-up, each layer's attention input
+    (normalized X) mapped to its branch output (after a post-attention norm, which goes too), by a ridge solve of the
+    augmented least squares (lambda = ridge * mean(diag(A^T A))) written with numpy's lstsq. Returns the model with
+    the maps in place and the maps."""
+    model = copy.deepcopy(model)
+    dtype = next(model.parameters()).dtype
+    maps = {}
+    for index in sorted(layers):
+        layer = model.model.layers[index]
+        post = layer.post_attention_layernorm if hasattr(layer, "post_feedforward_layernorm") else None
+        states, targets = [], []
+
+        def hook(module, args, kwargs, output, post=post):
+            branch = output[0] if post is None else post(output[0])
+            states.append(kwargs["hidden_states"].reshape(-1, branch.shape[-1]).double())
+            targets.append(branch.reshape(-1, branch.shape[-1]).double())
+
+        handle = layer.self_attn.register_forward_hook(hook, with_kwargs=True)
+        with torch.no_grad():
+            for row in windows:
+                model(torch.tensor(row[None]), use_cache=False)
+        handle.remove()
+        x, y = torch.cat(states).numpy(), torch.cat(targets).numpy()
+        a = np.concatenate([x, np.ones((len(x), 1))], axis=1)
+        lam = ridge * np.mean(np.sum(a * a, axis=0))
+        stacked = np.concatenate([a, np.sqrt(lam) * np.eye(a.shape[1])])
+        solution = np.linalg.lstsq(stacked, np.concatenate([y, np.zeros((a.shape[1], y.shape[1]))]), rcond=None)[0]
+        maps[index] = (solution[:-1], solution[-1])
+        layer.self_attn = _Fitted(solution[:-1], solution[-1], dtype)
+        if post is not None:
+            layer.post_attention_layernorm = torch.nn.Identity()
+    return model, maps

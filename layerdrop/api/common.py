@@ -15,6 +15,7 @@ from layerdrop.formats import FUSIONS_KEY
 from layerdrop.passes.cleanup import cleanup_passes, run_passes
 from layerdrop.passes.drop_branches import DropBranchesPass
 from layerdrop.passes.find_residuals import FindResidualsPass
+from layerdrop.passes.fit_attention import FitAttentionPass
 from layerdrop.passes.fold_alpha import fold_alpha_rules
 from layerdrop.passes.harp_bypass import HarpBypassPass
 from layerdrop.passes.metadata import calibration_record, kv_layer_map, read_json, updated_genai_config
@@ -65,15 +66,17 @@ def calibration_sha256(model: ir.Model) -> str | None:
 
 
 def rewrite_passes(drops: list[tuple[str, int]], alphas: dict[int, float], reason: str, fuse: bool = False,
-                   means: dict | None = None) -> list[ir.passes.PassBase]:
-    """The passes that apply drops and HARP bypasses (mean-shifted for the layers in `means`) to an annotated
-    model, fold alphas, prune the KV cache, clean up and annotate again; with `fuse`, ONNX Runtime fusions last
-    of all (which also restores a builder graph's skip-norms)."""
+                   means: dict | None = None, fits: dict | None = None) -> list[ir.passes.PassBase]:
+    """The passes that apply drops, fitted maps (layer -> (W, b)) and HARP bypasses (mean-shifted for the layers
+    in `means`) to an annotated model, fold alphas, prune the KV cache, clean up and annotate again; with `fuse`,
+    ONNX Runtime fusions last of all (which also restores a builder graph's skip-norms)."""
     from onnxscript.rewriter import RewritePass
 
     passes: list[ir.passes.PassBase] = []
     if drops:
         passes.append(DropBranchesPass(drops, reason=reason))
+    if fits:
+        passes.append(FitAttentionPass(fits, reason=reason))
     if alphas:
         passes += [HarpBypassPass(alphas, means), RewritePass(fold_alpha_rules())]
     passes += [PruneKvCachePass(), *cleanup_passes(), FindResidualsPass()]

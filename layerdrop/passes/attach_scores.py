@@ -54,5 +54,5 @@ def read_scores(model: ir.Model, regions: list[ResidualRegion] | None = None) ->
             rows.append({"layer": region.layer, "kind": region.kind, **read_json(meta, SCORE_KEY, {})})
         if BLOCK_SCORE_KEY in meta:
             rows.append({"layer": region.layer, "kind": "block", **read_json(meta, BLOCK_SCORE_KEY, {})})
-    order = {"attn": 0, "harp": 0, "mlp": 1, "block": 2}
+    order = {"attn": 0, "harp": 0, "fit": 0, "mlp": 1, "block": 2}
     return sorted(rows, key=lambda r: (r["layer"], order[r["kind"]]))

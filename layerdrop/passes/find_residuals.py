@@ -19,6 +19,8 @@ from layerdrop.errors import LayerdropError
 from layerdrop.formats import NUM_LAYERS_KEY, REGION_KEY, SCOPES_KEY
 
 ATTENTION_OPS = frozenset({"Softmax", "Attention", "MultiHeadAttention", "GroupQueryAttention"})
+# Kinds of attention regions a rewrite replaced by a per-token map: structure alone would call them MLPs.
+REPLACED_ATTENTION = ("harp", "fit")
 PROJECTION_OPS = frozenset({"MatMul", "Gemm", "MatMulNBits", "FusedMatMul"})
 _LAYER_SCOPE = re.compile(r"layers\.(?:slice\([^)]*\)\.)?(\d+)$")
 
@@ -27,7 +29,7 @@ _LAYER_SCOPE = re.compile(r"layers\.(?:slice\([^)]*\)\.)?(\d+)$")
 class ResidualRegion:
     """One residual sublayer: Y = X + branch(X)."""
 
-    kind: str  # "attn", "mlp", or "harp" (an attention layer already bypassed by HARP)
+    kind: str  # "attn", "mlp", or what replaced an attention layer: "harp" (HARP's map), "fit" (a fitted map)
     layer: int
     add: ir.Node
     skip: ir.Value  # X
@@ -151,8 +153,8 @@ def find_residual_regions(graph: ir.Graph) -> list[ResidualRegion]:
             branch = _branch_nodes(skip, other, order)
             if branch and _has_weight_projection(branch):
                 kind = "attn" if any(n.op_type in ATTENTION_OPS for n in branch) else "mlp"
-                if _recorded(node).get("kind") == "harp":
-                    kind = "harp"  # an attention layer that HARP turned into a per-token map
+                if _recorded(node).get("kind") in REPLACED_ATTENTION:
+                    kind = _recorded(node)["kind"]  # an attention layer turned into a per-token map
                 regions.append(
                     ResidualRegion(kind, -1, node, skip, other, branch, _norm_output(branch), [], [])
                 )
@@ -222,7 +224,7 @@ def _assign_layers(regions: list[ResidualRegion]) -> None:
     layer = -1
     previous = None
     for region in regions:
-        if region.kind in ("attn", "harp") or previous in (None, "mlp"):
+        if region.kind in ("attn", *REPLACED_ATTENTION) or previous in (None, "mlp"):
             layer += 1
         region.layer = layer
         previous = region.kind

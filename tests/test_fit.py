@@ -1,0 +1,64 @@
+"""Issue 16: the fit move. An attention branch replaced by Norm(X) W + b fitted bottom-up on calibration states
+equals a PyTorch model with maps fitted independently (hooks and numpy's lstsq) on the same windows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from layerdrop import api
+from layerdrop.errors import LayerdropError
+from layerdrop.model_folder import save
+from layerdrop.passes.cleanup import run_passes
+from layerdrop.search.fit import fit_attention, normal_equations, solve_ridge
+from layerdrop.windows import Windows
+from tests.conftest import ALL_FAMILIES
+from tests.helpers import ort_logits, session
+from tests.torch_reference import VOCAB, fitted, logits, tiny_model
+
+LAYERS = [1, 3]
+RIDGE = 1e-2
+
+
+def test_the_ridge_solve_is_numpys_least_squares(rng):
+    x, y = rng.randn(200, 6), rng.randn(200, 6)
+    weight, bias = solve_ridge(*normal_equations(x, y), RIDGE)
+    a = np.concatenate([x, np.ones((200, 1))], axis=1)
+    lam = RIDGE * np.mean(np.sum(a * a, axis=0))
+    reference = np.linalg.lstsq(np.concatenate([a, np.sqrt(lam) * np.eye(7)]),
+                                np.concatenate([y, np.zeros((7, 6))]), rcond=None)[0]
+    np.testing.assert_allclose(weight, reference[:-1], rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose(bias, reference[-1], rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_fitted_attention_equals_torch_with_independently_fitted_maps(exported, family, rng, tmp_path):
+    folder, model = api.open_model(exported(family, True))
+    windows = rng.randint(0, VOCAB, size=(4, 24))
+    fit = fit_attention(model, folder.path, Windows(windows, {}), LAYERS, ridges=(RIDGE,))
+    reference, maps = fitted(tiny_model(family), windows, LAYERS, RIDGE)
+    for layer in LAYERS:  # the maps themselves, and the model they make
+        np.testing.assert_allclose(fit.maps[layer][0], maps[layer][0], atol=1e-4)
+        np.testing.assert_allclose(fit.maps[layer][1], maps[layer][1], atol=1e-4)
+    run_passes(model, api.rewrite_passes([], {}, "fit", fits=fit.maps))
+    save(model, tmp_path / "fitted", source=folder)
+    ids = rng.randint(0, VOCAB, size=(1, 11))
+    np.testing.assert_allclose(ort_logits(tmp_path / "fitted", ids), logits(reference, ids), atol=1e-4, rtol=0)
+    inputs = [i.name for i in session(tmp_path / "fitted").get_inputs()]
+    assert [n for n in inputs if n.startswith("past_key_values")] == [
+        f"past_key_values.{i}.{p}" for i in (0, 1) for p in ("key", "value")]
+    assert api.inspect(tmp_path / "fitted")["kv_layers"] == [0, 2]
+
+
+def test_validation_chooses_each_layers_ridge(exported, rng):
+    folder, model = api.open_model(exported("llama", True))
+    calib, validation = rng.randint(0, VOCAB, size=(3, 24)), rng.randint(0, VOCAB, size=(2, 24))
+    fit = fit_attention(model, folder.path, Windows(calib, {}), [2], validation=validation, ridges=(1e-3, 1e-1))
+    tried = {t["ridge"]: t["perplexity"] for t in fit.trials}
+    assert set(tried) == {1e-3, 1e-1} and tried[fit.ridges[2]] == min(tried.values())
+
+
+def test_a_fit_on_fewer_tokens_than_the_hidden_size_is_refused(exported, rng):
+    folder, model = api.open_model(exported("llama", True))
+    with pytest.raises(LayerdropError, match="at least 33 calibration tokens"):
+        fit_attention(model, folder.path, Windows(rng.randint(0, VOCAB, size=(1, 20)), {}), [1])
