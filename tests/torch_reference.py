@@ -257,7 +257,7 @@ def fitted(model: torch.nn.Module, windows: np.ndarray, layers, ridge: float):
         post = layer.post_attention_layernorm if hasattr(layer, "post_feedforward_layernorm") else None
         states, targets = [], []
 
-        def hook(module, args, kwargs, output, post=post):
+        def hook(module, args, kwargs, output, post=post, states=states, targets=targets):
             branch = output[0] if post is None else post(output[0])
             states.append(kwargs["hidden_states"].reshape(-1, branch.shape[-1]).double())
             targets.append(branch.reshape(-1, branch.shape[-1]).double())
