@@ -21,7 +21,7 @@ def planned(exported, tmp_path_factory):
     report = tmp_path_factory.mktemp("plan-json") / "plan.json"
     code = main(["plan", str(exported("llama", True)), "-o", str(out), "--budget", "kv=0.5", "--samples", "4",
                  "--search-samples", "2", "--eval-samples", "2", "--seq-len", "32", "--extra", "1",
-                 "--json", str(report), "--no-progress"])
+                 "--moves", "drop,bypass,shift", "--json", str(report), "--no-progress"])
     assert code == 0
     return out, json.loads(report.read_text())
 
@@ -80,11 +80,11 @@ def test_no_shift_plans_with_the_papers_moves_only(exported, tmp_path, rng):
     report = tmp_path / "plan.json"
     code = main(["plan", str(exported("llama", True)), "-o", str(tmp_path / "model"), "--budget", "attn=1",
                  "--samples", "4", "--search-samples", "2", "--eval-samples", "2", "--seq-len", "32", "--extra",
-                 "1", "--no-shift", "--json", str(report), "--no-progress"])
+                 "1", "--no-shift", "--moves", "drop,bypass", "--json", str(report), "--no-progress"])
     assert code == 0
     result = json.loads(report.read_text())
-    assert [row["shift"] for row in result["methods"]] == [False] * 5
-    assert result["methods"][-1]["method"] == "planner"
+    assert [row["shift"] for row in result["methods"]] == [False] * 5 and result["moves"] == ["bypass", "drop"]
+    assert result["methods"][-1]["method"] == "planner" and not result["pick"]["fits"]
     alphas = {int(k): v for k, v in result["pick"]["alphas"].items()}
     ids = rng.randint(0, VOCAB, size=(1, 10))
     reference = logits(planned_reference(tiny_model("llama"), alphas), ids)
@@ -97,3 +97,32 @@ def test_no_shift_plans_with_the_papers_moves_only(exported, tmp_path, rng):
 def test_bad_budget_is_refused(exported, tmp_path, capsys, budget, message):
     code = main(["plan", str(exported("llama", True)), "-o", str(tmp_path / "p"), "--budget", budget])
     assert code == 2 and message in capsys.readouterr().err
+
+
+def test_fit_moves_plan_fitted_layers_equal_to_torch(exported, tmp_path, rng):
+    """--moves fit: the pick is a fitted row, and the written model is PyTorch's with maps fitted independently on
+    the planner's calibration windows with the ridges it chose."""
+    from tests.torch_reference import fitted
+
+    folder = exported("llama", True)
+    report = tmp_path / "plan.json"
+    code = main(["plan", str(folder), "-o", str(tmp_path / "model"), "--budget", "attn=2", "--samples", "4",
+                 "--search-samples", "2", "--eval-samples", "2", "--seq-len", "32", "--moves", "fit",
+                 "--json", str(report), "--no-progress"])
+    assert code == 0
+    result = json.loads(report.read_text())
+    pick = result["pick"]
+    assert pick["moves"] == ["fit"] and len(pick["fits"]) == 2 and not pick["alphas"]
+    assert len(api.inspect(tmp_path / "model")["kv_layers"]) == 2
+    windows = api.windows_for(folder, None, role="calib", samples=4, seq_len=32).ids
+    model = tiny_model("llama")
+    for layer in pick["fits"]:  # bottom-up, each with its own ridge, as the planner fitted them
+        model, _ = fitted(model, windows, [layer], pick["ridges"][str(layer)])
+    ids = rng.randint(0, VOCAB, size=(1, 10))
+    np.testing.assert_allclose(ort_logits(tmp_path / "model", ids), logits(model, ids), atol=1e-4, rtol=0)
+
+
+def test_unknown_move_words_are_refused(exported, tmp_path, capsys):
+    code = main(["plan", str(exported("llama", True)), "-o", str(tmp_path / "p"), "--budget", "attn=1",
+                 "--moves", "drop,teleport"])
+    assert code == 2 and "bad --moves 'drop,teleport'" in capsys.readouterr().err

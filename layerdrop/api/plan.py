@@ -4,6 +4,7 @@ same windows (see `search.planner`)."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx_ir as ir
@@ -19,10 +20,43 @@ from layerdrop.passes.find_residuals import annotated_regions
 from layerdrop.passes.metadata import removed_modules, write_json
 from layerdrop.runtime.evaluate import perplexity
 from layerdrop.runtime.session import make_session
+from layerdrop.search.alpha_search import ALPHA_GRID
+from layerdrop.search.fit import fit_attention
 from layerdrop.search.measure import branch_means
 from layerdrop.search.planner import bypass_search, candidate_pool, plan_attention
 from layerdrop.search.selection import attention_count_for, drop_iteratively, lowest_layers, parse_budget
 from layerdrop.windows import Sampling, Windows
+
+MOVES = ("drop", "bypass", "shift", "fit")
+
+
+@dataclass
+class Candidate:
+    """One row of the planner's comparison: its attention moves and the move words they use."""
+
+    name: str
+    alphas: dict[int, float] = field(default_factory=dict)  # V·O bypasses, alpha 0 = drop
+    means: dict | None = None  # the mean shift of those layers
+    fits: dict | None = None  # layer -> (W, b)
+    ridges: dict | None = None  # layer -> the ridge each fit chose on the search windows
+    moves: frozenset = frozenset()
+
+
+def parse_moves(text: str | None) -> frozenset:
+    """'drop,bypass' -> the move words allowed (default: all of MOVES).
+
+    Raises:
+        LayerdropError: an unknown word.
+    """
+    if text is None:
+        return frozenset(MOVES)
+    words = {w.strip() for w in text.split(",") if w.strip()}
+    unknown = sorted(words - set(MOVES))
+    if unknown or not words:
+        raise LayerdropError(f"bad --moves {text!r}: use words of {', '.join(MOVES)} (e.g. --moves drop,bypass)")
+    if "shift" in words and not words & {"drop", "bypass"}:
+        raise LayerdropError("--moves shift shifts drop or bypass moves; add drop or bypass")
+    return frozenset(words)
 
 
 def plan(
@@ -35,30 +69,35 @@ def plan(
     samples: int = DEFAULT_SAMPLES,
     search_samples: int = 8,
     eval_samples: int = 32,
+    fit_samples: int = 32,
     seq_len: int = DEFAULT_SEQ_LEN,
     sampling: Sampling = Sampling(),
     batch_size: int = 1,
     extra: int = 4,
+    moves: str | None = None,
     shift: bool = True,
     provider: str = "cpu",
     threads: int | None = None,
     force: bool = False,
     progress: bool = True,
 ) -> dict:
-    """Plan the best set of attention drops/bypasses for a budget and write the chosen model.
+    """Plan the best set of attention moves for a budget and write the chosen model.
 
-    The search windows come from the search part of `calib` (disjoint from its calibration windows); the comparison
-    table is measured on `eval_text`, which the search never sees (its evaluation part, if it is `calib` itself).
-    With `shift`, the planner's moves carry the mean shift, whose means come from calibration windows of `calib`
-    (`branch_means`); the other methods are the papers' own.
+    Moves (`moves`, default all): drop, V·O bypass with a searched alpha (HARP's map), the mean shift on those,
+    and a fitted linear map (`search.fit`). The search windows come from the search part of `calib` (disjoint
+    from its calibration windows, on which means and fits are estimated); the pick is the row with the lowest
+    search perplexity among those the allowed moves make, and every row is also measured on `eval_text`, which no
+    estimate or choice ever sees (its evaluation part, if it is `calib` itself).
 
     Returns:
-        {"budget", "attention_layers", "kv_fraction_kept", "pick": {...}, "methods": [{"method", "alphas",
-         "shift", "search_ppl", "eval_ppl"}], "baseline": {...}, "search_seconds", "search_text", "eval_text"}
+        {"budget", "attention_layers", "kv_fraction_kept", "moves", "pick": {...}, "methods": [{"method",
+         "alphas", "fits", "shift", "moves", "search_ppl", "eval_ppl"}], "baseline": {...}, "search_seconds",
+         "search_text", "eval_text"}
 
     Raises:
-        LayerdropError: a bad budget, model or text.
+        LayerdropError: a bad budget, move word, model or text.
     """
+    allowed = parse_moves(moves) - (frozenset() if shift else {"shift"})
     folder, model = open_model(model_path)
     model_folder.reserve_output(Path(out_dir), inputs=[folder.path], force=force)
     attention = sorted(r.layer for r in annotated_regions(model) if r.kind == "attn")
@@ -72,37 +111,53 @@ def plan(
     scores = {r["layer"]: r["score"] for r in rows if r["kind"] == "attn"}
     count = attention_count_for(kind, value, seq, model, folder.path, scores, threads)
     session_args = {"provider": provider, "threads": threads}
-    texts = _plan_windows(folder.path, calib, eval_text, samples, search_samples, eval_samples, seq_len, sampling)
-    calib_windows, search, held_out = texts
-
     search_args = {**session_args, "batch_size": batch_size}  # sessions, and windows per run in every search
-    methods = _paper_methods(model, folder.path, scores, attention, count, calib_windows, search.ids, progress,
-                             search_args)
-    means = None
-    if shift:
-        means = branch_means(model, folder.path, calib_windows, candidate_pool(scores, count, extra), **session_args)
-    planned = plan_attention(model, folder.path, search.ids, scores, count, extra=extra, means=means,
-                             progress=progress, **search_args)
-    candidates = [(name, alphas, None) for name, alphas in methods.items()]
-    if shift:
-        candidates += [("planner (moves with the mean shift)", planned.alphas, means),
-                       ("planner's layers and alphas without the shift", planned.alphas, None)]
-    else:
-        candidates.append(("planner", planned.alphas, None))
-    table = [_measured(model, folder.path, name, alphas, row_means, search, held_out, search_args)
-             for name, alphas, row_means in candidates]
-    pick = min(table, key=lambda row: row["search_ppl"])
-    pick_means = {k: means[k] for k in pick["alphas"]} if pick["shift"] else None
+    calib_windows, search, held_out = _plan_windows(folder.path, calib, eval_text, samples, search_samples,
+                                                    eval_samples, seq_len, sampling)
+    candidates = _paper_methods(model, folder.path, scores, attention, count, calib_windows, search.ids, progress,
+                                search_args)
+    grid = tuple(a for a in ALPHA_GRID if (a == 0 and "drop" in allowed) or (a > 0 and "bypass" in allowed))
+    if grid:
+        means = None
+        if "shift" in allowed:
+            means = branch_means(model, folder.path, calib_windows, candidate_pool(scores, count, extra),
+                                 **session_args)
+        planned = plan_attention(model, folder.path, search.ids, scores, count, extra=extra, means=means,
+                                 grid=grid, progress=progress, **search_args)
+        searched = frozenset({"drop"} if 0.0 in planned.alphas.values() else set()) | (
+            {"bypass"} if any(a > 0 for a in planned.alphas.values()) else set())
+        if means is not None:
+            candidates += [Candidate("planner (moves with the mean shift)", planned.alphas,
+                                     {k: means[k] for k in planned.alphas}, moves=searched | {"shift"}),
+                           Candidate("planner's layers and alphas without the shift", planned.alphas, moves=searched)]
+        else:
+            candidates.append(Candidate("planner", planned.alphas, moves=searched))
+    if "fit" in allowed:
+        fit_windows = windows_for(folder.path, calib, role="calib", samples=min(samples, fit_samples),
+                                  seq_len=seq_len, sampling=sampling)
+        layer_sets = {"attention fit on the lowest-scored layers": lowest_layers(scores, count)}
+        if grid:
+            layer_sets["planner's layers, fitted"] = sorted(planned.alphas)
+        for name, layers in layer_sets.items():
+            if any(c.fits is not None and sorted(c.fits) == layers for c in candidates):
+                continue  # the same layers were fitted for an earlier row
+            fit = fit_attention(model, folder.path, fit_windows, layers, validation=search.ids, **search_args)
+            candidates.append(Candidate(name, fits=fit.maps, ridges=fit.ridges, moves=frozenset({"fit"})))
+    table = [_measured(model, folder.path, candidate, search, held_out, search_args) for candidate in candidates]
+    eligible = [row for row, c in zip(table, candidates) if c.moves <= allowed]
+    pick_row = min(eligible, key=lambda row: row["search_ppl"])
+    pick = candidates[table.index(pick_row)]
     seconds = time.perf_counter() - started
     baseline = make_session(model, folder=folder.path, **session_args)  # still unmodified here
     kept = (len(attention) - count) / len(attention)
-    result = {"budget": budget, "attention_layers": count, "kv_fraction_kept": kept,
+    result = {"budget": budget, "attention_layers": count, "kv_fraction_kept": kept, "moves": sorted(allowed),
               "baseline": {"search_ppl": perplexity(baseline, search.ids).perplexity,
                            "eval_ppl": perplexity(baseline, held_out.ids).perplexity},
-              "methods": table, "pick": pick, "search_seconds": seconds, "search_text": search.source,
-              "eval_text": held_out.source, "planner_log": planned.log}
-    write_json(model.metadata_props, PLAN_KEY, {k: v for k, v in result.items() if k != "planner_log"})
-    run_passes(model, rewrite_passes([], pick["alphas"], "plan", means=pick_means))
+              "methods": table, "pick": pick_row, "search_seconds": seconds, "search_text": search.source,
+              "eval_text": held_out.source, "fit_text": fit_windows.source if "fit" in allowed else None}
+    write_json(model.metadata_props, PLAN_KEY, result)
+    result["planner_log"] = planned.log if grid else []
+    run_passes(model, rewrite_passes([], pick.alphas, "plan", means=pick.means, fits=pick.fits))
     save_model(model, out_dir, folder, force=force)
     return result
 
@@ -129,28 +184,37 @@ def _plan_windows(folder: Path, calib: Path | None, eval_text: Path | None, samp
 
 
 def _paper_methods(model: ir.Model, folder: Path, scores: dict[int, float], attention: list[int], count: int,
-                   calib_windows: Windows, search_ids, progress: bool, session_args: dict) -> dict[str, dict]:
-    """The methods the planner is compared with, at the same budget: layer -> alpha (0: dropped)."""
+                   calib_windows: Windows, search_ids, progress: bool, search_args: dict) -> list[Candidate]:
+    """The papers' methods at the same budget, each with the moves it makes."""
     lowest = lowest_layers(scores, count)
-    methods = {"paper 1: one-shot drop of the lowest scores": dict.fromkeys(lowest, 0.0)}
     scratch = model_folder.copy_model(model)
     drop_iteratively(scratch, folder, calib_windows, ("attn",), count, progress=progress,
-                     provider=session_args["provider"], threads=session_args["threads"])
-    methods["paper 1: iterative drop"] = {e["layer"]: 0.0 for e in removed_modules(scratch)}
-    methods["HARP: top layers, searched alphas"] = bypass_search(model, folder, search_ids, attention[::-1][:count],
-                                                                  progress=progress, **session_args)
-    methods["score-selected bypass, searched alphas"] = bypass_search(model, folder, search_ids, lowest,
-                                                                       progress=progress, **session_args)
-    return methods
+                     provider=search_args["provider"], threads=search_args["threads"])
+    drop = frozenset({"drop"})
+    harp = bypass_search(model, folder, search_ids, attention[::-1][:count], progress=progress, **search_args)
+    bypass = bypass_search(model, folder, search_ids, lowest, progress=progress, **search_args)
+    return [Candidate("paper 1: one-shot drop of the lowest scores", dict.fromkeys(lowest, 0.0), moves=drop),
+            Candidate("paper 1: iterative drop", {e["layer"]: 0.0 for e in removed_modules(scratch)}, moves=drop),
+            Candidate("HARP: top layers, searched alphas", harp, moves=_moves_of(harp)),
+            Candidate("score-selected bypass, searched alphas", bypass, moves=_moves_of(bypass))]
 
 
-def _measured(model: ir.Model, folder: Path, name: str, alphas: dict[int, float], means: dict | None,
-              search: Windows, held_out: Windows, search_args: dict) -> dict:
+def _moves_of(alphas: dict[int, float]) -> frozenset:
+    return frozenset(({"drop"} if 0.0 in alphas.values() else set())
+                     | ({"bypass"} if any(a > 0 for a in alphas.values()) else set()))
+
+
+def _measured(model: ir.Model, folder: Path, candidate: Candidate, search: Windows, held_out: Windows,
+              search_args: dict) -> dict:
     """One row of the comparison: the rewritten model's perplexity on the search and the held-out windows."""
-    candidate = model_folder.copy_model(model)
-    run_passes(candidate, rewrite_passes([], alphas, "plan", means=means))
-    session = make_session(candidate, folder=folder, provider=search_args["provider"], threads=search_args["threads"])
+    rewritten = model_folder.copy_model(model)
+    run_passes(rewritten, rewrite_passes([], candidate.alphas, "plan", means=candidate.means, fits=candidate.fits))
+    session = make_session(rewritten, folder=folder, provider=search_args["provider"],
+                           threads=search_args["threads"])
     batch = search_args["batch_size"]
-    return {"method": name, "alphas": {int(k): v for k, v in sorted(alphas.items())}, "shift": means is not None,
+    return {"method": candidate.name, "alphas": {int(k): v for k, v in sorted(candidate.alphas.items())},
+            "fits": sorted(candidate.fits or {}), "shift": candidate.means is not None,
+            "ridges": {int(k): v for k, v in (candidate.ridges or {}).items()},
+            "moves": sorted(candidate.moves),
             "search_ppl": perplexity(session, search.ids, batch_size=batch).perplexity,
             "eval_ppl": perplexity(session, held_out.ids, batch_size=batch).perplexity}

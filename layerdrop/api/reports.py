@@ -37,10 +37,14 @@ def plan_table(result: dict) -> str:
     """The planner's comparison (markdown): every method at the same budget, search and held-out perplexity."""
     count = result["attention_layers"]
     lines = [f"| method ({count} attention layers, KV kept {result['kv_fraction_kept']:.3f}) | layers: alpha "
-             "(0 = drop, or the mean with the shift) | search ppl | held-out ppl |", "|---|---|---|---|",
+             "(0 = drop, or the mean with the shift; fit = fitted map) | search ppl | held-out ppl |",
+             "|---|---|---|---|",
              f"| baseline | - | {result['baseline']['search_ppl']:.2f} | {result['baseline']['eval_ppl']:.2f} |"]
     for row in result["methods"]:
-        alphas = " ".join(f"{k}:{v:g}" for k, v in sorted(row["alphas"].items(), key=lambda kv: -int(kv[0])))
+        moves = {int(k): f"{v:g}" for k, v in row["alphas"].items()} | {int(k): "fit" for k in row.get("fits", [])}
+        alphas = " ".join(f"{k}:{v}" for k, v in sorted(moves.items(), reverse=True))
         name = f"**{row['method']}**" if row == result["pick"] else row["method"]
+        if set(row.get("moves", [])) - set(result.get("moves", row.get("moves", []))):
+            name += " (outside --moves)"
         lines.append(f"| {name} | {alphas} | {row['search_ppl']:.2f} | {row['eval_ppl']:.2f} |")
     return "\n".join(lines)

@@ -179,8 +179,8 @@ def cmd_plan(args) -> int:
 
     result = api.plan(args.model, args.output, budget=args.budget, calib=args.calib, eval_text=args.eval,
                       samples=args.samples, search_samples=args.search_samples, eval_samples=args.eval_samples,
-                      seq_len=args.seq_len, sampling=sampling(args), batch_size=args.batch_size, extra=args.extra,
-                      shift=args.shift,
+                      fit_samples=args.fit_samples, seq_len=args.seq_len, sampling=sampling(args),
+                      batch_size=args.batch_size, extra=args.extra, moves=args.moves, shift=args.shift,
                       force=args.force, progress=_progress(args), **_runtime(args))
     print(plan_table(result))
     print(f"pick: {result['pick']['method']}; search took {result['search_seconds']:.0f} s; written to {args.output}")

@@ -181,7 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--extra", type=int, default=4, help="candidates beyond the budget in the search pool")
     p.add_argument("--batch-size", type=parse_count, default=1, help="windows per ONNX Runtime run")
     p.add_argument("--no-shift", dest="shift", action="store_false",
-                   help="search the papers' moves only (keep, drop, V·O bypass), without the mean shift")
+                   help="without the mean shift (the same as leaving shift out of --moves)")
+    p.add_argument("--moves", help="the moves allowed: drop, bypass, shift, fit (default all; --moves drop,bypass "
+                   "searches the papers' moves only)")
+    p.add_argument("--fit-samples", type=parse_count, default=32, help="calibration windows the fits are estimated on")
     p.add_argument("--json", type=Path)
     _sampling_options(p)
     _common(p)

@@ -42,8 +42,9 @@ class _Evaluator:
     showing the best so far."""
 
     def __init__(self, model: ir.Model, folder: Path, windows: np.ndarray, layers: list[int], progress: bool,
-                 means: dict | None, session_args: dict) -> None:
+                 means: dict | None, grid: tuple[float, ...], session_args: dict) -> None:
         self.suffix = GatedSuffix(model, folder, windows, layers, means, **session_args)
+        self.grid = grid
         self.start: int | None = None  # None: from the lowest moved layer
         self.bar = tqdm(desc="plan", unit="eval", disable=not progress, leave=False)
         self.best = float("inf")
@@ -57,7 +58,7 @@ class _Evaluator:
 
     def alpha_sweep(self, fixed: dict[int, float], layer: int) -> dict[float, float]:
         """Perplexity for each alpha of `layer`, with the `fixed` moves kept."""
-        return {alpha: self({**fixed, layer: alpha}) for alpha in ALPHA_GRID}
+        return {alpha: self({**fixed, layer: alpha}) for alpha in self.grid}
 
 
 def candidate_pool(scores: dict[int, float], budget: int, extra: int) -> list[int]:
@@ -74,6 +75,7 @@ def plan_attention(
     *,
     extra: int = 4,
     means: dict[int, tuple[np.ndarray, np.ndarray]] | None = None,
+    grid: tuple[float, ...] = ALPHA_GRID,
     progress: bool = True,
     **session_args,
 ) -> Plan:
@@ -83,9 +85,10 @@ def plan_attention(
         scores: attention layer -> cosine score S (low: candidate).
         windows: token windows [n, seq] of the search text.
         means: `branch_means` of the pool layers, for mean-shifted moves; None searches the papers' moves only.
+        grid: the alphas a layer may take (0 = drop; the moves `--moves` allows).
     """
     pool = candidate_pool(scores, budget, extra)
-    evaluate = _Evaluator(model, folder, windows, pool, progress, means, session_args)
+    evaluate = _Evaluator(model, folder, windows, pool, progress, means, grid, session_args)
     log: list[dict] = []
 
     solo: dict[int, float] = {}
