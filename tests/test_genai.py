@@ -167,3 +167,29 @@ def test_fuse_restores_the_builder_form(built, torch_model, tmp_path, rng):
     ours, _ = greedy_generate(make_session(out / "model.onnx"), np.array([prompt]), 16)
     theirs = genai_greedy(out, prompt, 16)
     assert theirs == ours[:len(theirs)] and len(theirs) > 0
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_layerdrops_own_exports_and_their_rewrites_are_served_by_genai(exported, family, tmp_path, rng):
+    """A KV export carries genai_config.json; onnxruntime-genai generates what a plain ORT session generates, on
+    the export and on a drop, a HARP bypass with the mean shift, and a fitted layer of it (issue 17)."""
+    from layerdrop.api.common import save_model
+    from layerdrop.passes.cleanup import run_passes
+    from layerdrop.search.fit import fit_attention
+    from layerdrop.search.measure import branch_means
+    from layerdrop.windows import Windows
+
+    source = exported(family, True)
+    folder, model = api.open_model(source)
+    windows = Windows(rng.randint(0, VOCAB, size=(3, 16)), {})
+    api.drop(source, tmp_path / "drop", targets=[("attn", 1), ("mlp", 2)])
+    means = branch_means(model, folder.path, windows, [3])
+    run_passes(model, api.rewrite_passes([], {3: 0.5}, "test", means=means,
+                                         fits=fit_attention(model, folder.path, windows, [0]).maps))
+    save_model(model, tmp_path / "shift-fit", folder, force=False)  # genai_config.json follows the rewrite
+    prompt = [int(t) for t in rng.randint(0, VOCAB, size=8)]
+    for out, layers in ((source, 4), (tmp_path / "drop", 3), (tmp_path / "shift-fit", 2)):
+        config = json.loads((out / "genai_config.json").read_text())["model"]["decoder"]
+        assert config["num_hidden_layers"] == layers and config["inputs"]["position_ids"] == "position_ids"
+        ours, _ = greedy_generate(make_session(out / "model.onnx"), np.array([prompt]), 16)
+        assert genai_greedy(out, prompt, 16) == ours

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import sys
@@ -176,8 +177,51 @@ def export_folder(
         else:
             _save_gguf_tokenizer(source, staged)
         model.config.save_pretrained(staged)
+        if kv_cache:
+            (staged / "genai_config.json").write_text(json.dumps(genai_config(model.config), indent=4) + "\n")
         publish_folder(staged, out_dir, force=force)
     return out_dir
+
+
+def genai_config(config: transformers.PretrainedConfig) -> dict:
+    """onnxruntime-genai's genai_config.json for a KV-cache export, so onnxruntime-genai can serve it (and every
+    rewrite of it: layerdrop keeps this file true for the layers it removes).
+
+    The graph takes position_ids and returns past and present as separate tensors (it concatenates, it does not
+    write into a shared buffer), and masks a sliding window itself from the full cache.
+    """
+    text = config.get_text_config(decoder=True)
+    layers, kv_heads, head_dim = kv_layout(config)
+    context = int(getattr(text, "max_position_embeddings", 0) or 4096)
+
+    def token(name: str) -> int | None:
+        value = getattr(text, name, None)
+        value = value[0] if isinstance(value, list) and value else value
+        return value if isinstance(value, int) else None
+
+    eos = token("eos_token_id")
+    pad = token("pad_token_id") if token("pad_token_id") is not None else eos
+    ids = {k: v for k, v in (("bos_token_id", token("bos_token_id")), ("eos_token_id", eos), ("pad_token_id", pad))
+           if v is not None}  # onnxruntime-genai reads numbers only: a token the model has not is left out
+    return {
+        "model": {
+            **ids, "context_length": context, "vocab_size": text.vocab_size, "type": text.model_type,
+            "decoder": {
+                "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+                "filename": MODEL_NAME, "head_size": head_dim, "hidden_size": text.hidden_size,
+                "num_attention_heads": text.num_attention_heads, "num_key_value_heads": kv_heads,
+                "num_hidden_layers": layers,
+                "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask",
+                           "position_ids": "position_ids", "past_key_names": "past_key_values.%d.key",
+                           "past_value_names": "past_key_values.%d.value"},
+                "outputs": {"logits": "logits", "present_key_names": "present.%d.key",
+                            "present_value_names": "present.%d.value"},
+            },
+        },
+        "search": {"do_sample": False, "max_length": context, "min_length": 0, "num_beams": 1,
+                   "num_return_sequences": 1, "past_present_share_buffer": False, "repetition_penalty": 1.0,
+                   "temperature": 1.0, "top_k": 1, "top_p": 1.0},
+    }
 
 
 def _save_gguf_tokenizer(gguf_path: Path, folder: Path) -> None:
