@@ -51,7 +51,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     hf = transformers.AutoModelForCausalLM.from_pretrained(args.hf, dtype=torch.float32).eval()
     start = time.perf_counter()
-    reference = hook_scores(hf, windows.ids)
+    reference = hook_scores(hf, windows.ids, skip_first=windows.bos)
     hooks = time.perf_counter() - start
     worst = max(abs(s.score - reference[(s.kind, s.layer)]) for s in scores)
 

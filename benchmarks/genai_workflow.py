@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("out/genai"))
     parser.add_argument("--json", type=Path, default=Path("bench-out/genai.json"))
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--from-start", action="store_true", help="windows from the start of each text")
     args = parser.parse_args()
 
     from layerdrop import api
@@ -35,7 +36,7 @@ def main() -> None:
     from layerdrop.export.default_model import default_model_folder
     from layerdrop.runtime.generate import greedy_generate
     from layerdrop.runtime.session import make_session
-    from layerdrop.windows import load_tokenizer
+    from layerdrop.windows import Sampling, load_tokenizer
     from tests.genai_helpers import genai_greedy, run_builder
 
     shutil.rmtree(args.out, ignore_errors=True)
@@ -60,7 +61,8 @@ def main() -> None:
     prompt = load_tokenizer(built).encode("The capital of France is")
     rows = {}
     for name, folder in folders.items():
-        ppl = api.evaluate(folder, threads=args.threads, progress=False)["perplexity"]
+        ppl = api.evaluate(folder, threads=args.threads, progress=False,
+                           sampling=Sampling(from_start=args.from_start))["perplexity"]
         ours, _ = greedy_generate(make_session(folder / "model.onnx", threads=args.threads), np.array([prompt]), 32)
         theirs = genai_greedy(folder, prompt, 32)
         rows[name] = {"perplexity": ppl, "kv_bytes_per_token": api.inspect(folder)["kv_bytes_per_token"],
