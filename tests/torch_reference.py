@@ -277,3 +277,51 @@ def fitted(model: torch.nn.Module, windows: np.ndarray, layers, ridge: float):
         if post is not None:
             layer.post_attention_layernorm = torch.nn.Identity()
     return model, maps
+
+
+class _Transformed(torch.nn.Module):
+    def __init__(self, inner: torch.nn.Module, transform: np.ndarray, dtype) -> None:
+        super().__init__()
+        self.inner = inner
+        self.transform = torch.tensor(transform, dtype=dtype)
+
+    def forward(self, *args, **kwargs):
+        return self.inner(*args, **kwargs) @ self.transform
+
+
+def replaceme_reference(model: torch.nn.Module, windows: np.ndarray, count: int, ridge: float):
+    """ReplaceMe computed here from PyTorch hooks: the start whose h_i, h_{i+count} are closest by cosine, T by
+    numpy's lstsq with ridge rows, and the model with blocks i+1..i+count removed and block i's MLP output
+    (after a post-feedforward norm, if any) multiplied by T. Returns (model, start, T)."""
+    layers = model.model.layers
+    outputs, branches = {}, {}
+    handles = []
+    for index, layer in enumerate(layers):
+        handles.append(layer.register_forward_hook(
+            lambda m, a, o, i=index: outputs.setdefault(i, []).append((o[0] if isinstance(o, tuple) else o)[0])))
+        last = layer.post_feedforward_layernorm if hasattr(layer, "post_feedforward_layernorm") else layer.mlp
+        handles.append(last.register_forward_hook(lambda m, a, o, i=index: branches.setdefault(i, []).append(o[0])))
+    with torch.no_grad():
+        for row in windows:
+            model(torch.tensor(row[None]), use_cache=False)
+    for handle in handles:
+        handle.remove()
+    h = {i: torch.cat(v).double().numpy() for i, v in outputs.items()}
+    m = {i: torch.cat(v).double().numpy() for i, v in branches.items()}
+
+    def distance(a, b):
+        return float(np.mean(1 - (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))))
+
+    start = min((i for i in h if i + count in h), key=lambda i: (distance(h[i], h[i + count]), i))
+    x, y = m[start], h[start + count] - h[start] + m[start]
+    lam = ridge * np.mean(np.sum(x * x, axis=0))
+    transform = np.linalg.lstsq(np.concatenate([x, np.sqrt(lam) * np.eye(x.shape[1])]),
+                                np.concatenate([y, np.zeros((x.shape[1], y.shape[1]))]), rcond=None)[0]
+    result = replaced(model, [("block", k) for k in range(start + 1, start + 1 + count)])
+    layer = result.model.layers[start]
+    dtype = next(result.parameters()).dtype
+    if hasattr(layer, "post_feedforward_layernorm"):
+        layer.post_feedforward_layernorm = _Transformed(layer.post_feedforward_layernorm, transform, dtype)
+    else:
+        layer.mlp = _Transformed(layer.mlp, transform, dtype)
+    return result, start, transform

@@ -8,6 +8,7 @@ graphs with their metadata stripped give the same result.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from collections.abc import Iterable
@@ -124,9 +125,9 @@ def _provenance_layer(node: ir.Node) -> int | None:
     scopes = node.metadata_props.get(SCOPES_KEY)
     if not scopes:
         return None
-    try:
-        entries = json.loads(scopes) if scopes.startswith("[") else scopes.split(",")
-    except json.JSONDecodeError:
+    try:  # torch.onnx writes a Python list literal ("['', 'model', ...]"); other writers a JSON list or CSV
+        entries = ast.literal_eval(scopes) if scopes.startswith("[") else scopes.split(",")
+    except (ValueError, SyntaxError):
         return None
     for entry in reversed(entries if isinstance(entries, list) else []):
         match = _LAYER_SCOPE.search(str(entry).strip())

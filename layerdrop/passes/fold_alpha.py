@@ -1,10 +1,14 @@
-"""Rewrite rules: fold a constant scale that follows a constant projection into the projection's weights.
+"""Rewrite rules: fold a constant that follows a constant projection into the projection's weights.
 
-    Mul(MatMul(x, W), c)          -> MatMul(x, W * c)
-    Mul(Add(MatMul(x, W), b), c)  -> Add(MatMul(x, W * c), b * c)
+    Mul(MatMul(x, W), c)             -> MatMul(x, W * c)
+    Mul(Add(MatMul(x, W), b), c)     -> Add(MatMul(x, W * c), b * c)
+    MatMul(MatMul(x, W), T)          -> MatMul(x, W T)
+    MatMul(Add(MatMul(x, W), b), T)  -> Add(MatMul(x, W T), b T)
 
-HARP writes its rescaling as a Mul after the folded V·O projection; these rules remove that Mul wherever the
-scale is a constant scalar and nothing else reads the intermediate values.
+HARP writes its rescaling as a Mul after the folded V·O projection, and a fitted block run writes its transform
+as a MatMul after the MLP's down-projection (ReplaceMe); these rules remove the extra op wherever the constants
+allow it and nothing else reads the intermediate values (a post-feedforward norm in between, as in Gemma, keeps
+the transform a MatMul of its own).
 """
 
 from __future__ import annotations
@@ -72,6 +76,54 @@ class ScaledMatMulBias(RewriteRuleClassBase):
             op.MatMul(x, op.initializer(ir.tensor(weight), name=f"{w.name}_scaled")),
             op.initializer(ir.tensor(bias), name=f"{b.name}_scaled"),
         )
+
+
+class ChainedMatMul(RewriteRuleClassBase):
+    """MatMul(MatMul(x, W), T) -> MatMul(x, W T) for constant 2-D W and T."""
+
+    def pattern(self, op, x, w, t):
+        return op.MatMul(op.MatMul(x, w, _outputs=["projected"]), t)
+
+    def check(self, context, x, w, t, projected, **_) -> MatchResult:
+        result = MatchResult()
+        first, second = _constant(w), _constant(t)
+        if first is None or second is None or first.ndim != 2 or second.ndim != 2:
+            return result.fail("the projections are not constant matrices")
+        if not _single_use(projected) or len(w.uses()) != 1:
+            return result.fail("the projection or its weight is shared")
+        return result
+
+    def rewrite(self, op, x, w, t, projected, **_):
+        weight = (_constant(w).astype(np.float64) @ _constant(t).astype(np.float64)).astype(_constant(w).dtype)
+        return op.MatMul(x, op.initializer(ir.tensor(weight), name=f"{w.name}_folded"))
+
+
+class ChainedMatMulBias(RewriteRuleClassBase):
+    """MatMul(Add(MatMul(x, W), b), T) -> Add(MatMul(x, W T), b T) for constant W, b, T."""
+
+    def pattern(self, op, x, w, b, t):
+        return op.MatMul(op.Add(op.MatMul(x, w, _outputs=["projected"]), b, _outputs=["biased"]), t)
+
+    def check(self, context, x, w, b, t, projected, biased, **_) -> MatchResult:
+        result = MatchResult()
+        first, second = _constant(w), _constant(t)
+        if first is None or second is None or _constant(b) is None or first.ndim != 2 or second.ndim != 2:
+            return result.fail("the projections or the bias are not constant")
+        if not (_single_use(projected) and _single_use(biased)) or len(w.uses()) != 1 or len(b.uses()) != 1:
+            return result.fail("an intermediate value or a constant is shared")
+        return result
+
+    def rewrite(self, op, x, w, b, t, projected, biased, **_):
+        transform = _constant(t).astype(np.float64)
+        weight = (_constant(w).astype(np.float64) @ transform).astype(_constant(w).dtype)
+        bias = (_constant(b).astype(np.float64) @ transform).astype(_constant(b).dtype)
+        return op.Add(op.MatMul(x, op.initializer(ir.tensor(weight), name=f"{w.name}_folded")),
+                      op.initializer(ir.tensor(bias), name=f"{b.name}_folded"))
+
+
+def fold_chain_rules() -> RewriteRuleSet:
+    """The rule set that folds a transform into the projection before it."""
+    return RewriteRuleSet([ChainedMatMulBias.rule(), ChainedMatMul.rule()])
 
 
 def fold_alpha_rules() -> RewriteRuleSet:

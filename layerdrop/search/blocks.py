@@ -1,0 +1,146 @@
+"""Block moves: ShortGPT's block drop picks blocks by score; ReplaceMe (Shopkhoev et al., NeurIPS 2025) removes the
+run of n consecutive blocks whose input and output hidden states are closest and fits a linear transform in its
+place.
+
+ReplaceMe's selection: for each start i, the mean over calibration tokens of 1 - cos(h_i, h_{i+n}), where h_i is
+the output of block i (the input of block i+1); the run i+1 .. i+n with the lowest distance goes. Its fit: T
+minimizing |M_i T - (h_{i+n} - h_i + M_i)|^2, with M_i block i's MLP output (after a post-feedforward norm, if the
+family has one), so that block i with T computes h_{i+n}. Where layerdrop differs from their code: the solve is a
+closed-form ridge (float64 normal equations, lambda = ridge * mean(diag(G)), the ridge chosen on validation
+windows the fit did not see) rather than their default cosine-loss optimizer or their unregularized least squares;
+a BOS is left out of the statistics; and the run may start at block 0 (their code starts at 1 as well).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+
+from layerdrop.errors import LayerdropError
+from layerdrop.model_folder import copy_model
+from layerdrop.passes.cleanup import cleanup_passes, run_passes
+from layerdrop.passes.find_residuals import FindResidualsPass, annotated_regions
+from layerdrop.passes.fold_alpha import fold_chain_rules
+from layerdrop.passes.graph_cuts import with_outputs
+from layerdrop.passes.prune_kv_cache import PruneKvCachePass
+from layerdrop.passes.replace_blocks import ReplaceBlocksPass
+from layerdrop.runtime.evaluate import perplexity
+from layerdrop.runtime.feeds import prefill_feed
+from layerdrop.runtime.session import make_session
+from layerdrop.search.fit import RIDGES
+from layerdrop.windows import Windows
+
+
+def block_outputs(model: ir.Model) -> dict[int, str]:
+    """The name of each block's output (its last region's residual sum)."""
+    outputs: dict[int, str] = {}
+    for region in annotated_regions(model):
+        outputs[region.layer] = region.output.name
+    return outputs
+
+
+def replaceme_start(model: ir.Model, folder: Path, windows: Windows, count: int, **session_args) -> tuple[int, dict]:
+    """ReplaceMe's selection: the start i whose run i+1 .. i+count has the lowest mean 1 - cos(h_i, h_{i+count}).
+
+    Returns the start and the distance of every candidate start.
+
+    Raises:
+        LayerdropError: the model has no run of `count` blocks after a kept one.
+    """
+    outputs = block_outputs(model)
+    layers = sorted(outputs)
+    starts = [i for i in layers if i + count in outputs]
+    if not starts or count < 1:
+        raise LayerdropError(f"no run of {count} blocks to replace: the model has {len(layers)} blocks")
+    names = [outputs[i] for i in layers]
+    session = make_session(with_outputs(model, names), folder=folder, **session_args)
+    totals = dict.fromkeys(starts, 0.0)
+    tokens = 0
+    for row, real in zip(windows.ids, windows.real):
+        states = dict(zip(layers, session.run(names, prefill_feed(session, row[None]))))
+        for i in starts:
+            a, b = states[i][0, real].astype(np.float64), states[i + count][0, real].astype(np.float64)
+            cos = (a * b).sum(-1) / np.maximum(np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1), 1e-300)
+            totals[i] += float((1 - cos).sum())
+        tokens += int(real.sum())
+    distances = {i: total / tokens for i, total in totals.items()}
+    return min(distances, key=lambda i: (distances[i], i)), distances
+
+
+def transform_statistics(model: ir.Model, folder: Path, windows: Windows, start: int, count: int, **session_args
+                         ) -> tuple[np.ndarray, np.ndarray, int]:
+    """(G = M^T M, C = M^T (h_{start+count} - h_start + M), tokens) over the windows' text tokens, float64."""
+    regions = annotated_regions(model)
+    mlp = next((r for r in regions if r.kind == "mlp" and r.layer == start), None)
+    outputs = block_outputs(model)
+    if mlp is None or start + count not in outputs:
+        raise LayerdropError(f"cannot replace blocks {start + 1}..{start + count}: no such run after an MLP")
+    names = [mlp.branch_output.name, outputs[start], outputs[start + count]]
+    session = make_session(with_outputs(model, names), folder=folder, **session_args)
+    gram, cross, tokens = 0.0, 0.0, 0
+    for row, real in zip(windows.ids, windows.real):
+        branch, before, after = (a[0, real].astype(np.float64) for a in
+                                 session.run(names, prefill_feed(session, row[None])))
+        gram, cross = gram + branch.T @ branch, cross + branch.T @ (after - before + branch)
+        tokens += int(real.sum())
+    return gram, cross, tokens
+
+
+def solve_transform(gram: np.ndarray, cross: np.ndarray, ridge: float) -> np.ndarray:
+    """T minimizing |M T - target|^2 + lambda |T|^2, lambda = ridge * mean(diag(G))."""
+    return np.linalg.solve(gram + ridge * float(np.mean(np.diag(gram))) * np.eye(len(gram)), cross)
+
+
+def with_replaced_run(model: ir.Model, start: int, count: int, transform: np.ndarray) -> ir.Model:
+    """A copy of `model` with blocks start+1 .. start+count replaced by `transform` (caches gone, T folded where it
+    is exact), annotated again."""
+    from onnxscript.rewriter import RewritePass
+
+    copy = copy_model(model)
+    run_passes(copy, [ReplaceBlocksPass(start, count, transform), RewritePass(fold_chain_rules()), PruneKvCachePass(),
+                      *cleanup_passes(), FindResidualsPass()])
+    return copy
+
+
+@dataclass
+class BlockFit:
+    """A fitted run: blocks start+1 .. start+count go, `transform` goes into block `start`."""
+
+    start: int
+    count: int
+    transform: np.ndarray
+    ridge: float
+    distances: dict = field(default_factory=dict)
+    trials: list[dict] = field(default_factory=list)
+
+
+def replaceme(model: ir.Model, folder: Path, windows: Windows, count: int, *, validation: np.ndarray | None = None,
+              start: int | None = None, ridges: tuple[float, ...] = RIDGES, batch_size: int = 1,
+              **session_args) -> BlockFit:
+    """ReplaceMe on `model`: its selection (unless `start` is given) and its fit, the ridge chosen on `validation`.
+
+    Raises:
+        LayerdropError: no such run, or fewer calibration tokens than the hidden size.
+    """
+    distances = {}
+    if start is None:
+        start, distances = replaceme_start(model, folder, windows, count, **session_args)
+    gram, cross, tokens = transform_statistics(model, folder, windows, start, count, **session_args)
+    if tokens < len(gram):
+        raise LayerdropError(f"a fit needs at least {len(gram)} calibration tokens (the hidden size) and the windows "
+                             f"hold {tokens}; use more --samples or a longer --seq-len")
+    candidates = {ridge: solve_transform(gram, cross, ridge) for ridge in ridges}
+    trials = []
+    if validation is None:
+        chosen = ridges[len(ridges) // 2]
+    else:
+        scores = {}
+        for ridge, transform in candidates.items():
+            session = make_session(with_replaced_run(model, start, count, transform), folder=folder, **session_args)
+            scores[ridge] = perplexity(session, validation, batch_size=batch_size).perplexity
+            trials.append({"ridge": ridge, "perplexity": scores[ridge]})
+        chosen = min(scores, key=lambda r: (scores[r], -r))
+    return BlockFit(start, count, candidates[chosen], chosen, distances, trials)
