@@ -126,3 +126,36 @@ def test_unknown_move_words_are_refused(exported, tmp_path, capsys):
     code = main(["plan", str(exported("llama", True)), "-o", str(tmp_path / "p"), "--budget", "attn=1",
                  "--moves", "drop,teleport"])
     assert code == 2 and "bad --moves 'drop,teleport'" in capsys.readouterr().err
+
+
+def test_a_blocks_budget_compares_shortgpt_and_replaceme_and_writes_the_pick(exported, tmp_path, rng):
+    from tests.torch_reference import replaced, replaceme_reference
+
+    folder = exported("llama", True)
+    report = tmp_path / "plan.json"
+    code = main(["plan", str(folder), "-o", str(tmp_path / "model"), "--budget", "blocks=1", "--samples", "4",
+                 "--search-samples", "2", "--eval-samples", "2", "--seq-len", "32", "--json", str(report),
+                 "--no-progress"])
+    assert code == 0
+    result = json.loads(report.read_text())
+    names = [row["method"] for row in result["methods"]]
+    assert names == ["ShortGPT-style block drop of the lowest block scores",
+                     "ReplaceMe: its selection and fitted transform"]
+    pick = result["pick"]
+    assert len(pick["blocks"]) == 1 and len(api.inspect(tmp_path / "model")["kv_layers"]) == 3
+    if pick["replaced_into"] is None:
+        reference = replaced(tiny_model("llama"), [("block", pick["blocks"][0])])
+    else:
+        windows = api.windows_for(folder, None, role="calib", samples=4, seq_len=32).ids
+        reference, start, _ = replaceme_reference(tiny_model("llama"), windows, 1,
+                                                  pick["ridges"][str(pick["replaced_into"])])
+        assert start == pick["replaced_into"]
+    ids = rng.randint(0, VOCAB, size=(1, 10))
+    np.testing.assert_allclose(ort_logits(tmp_path / "model", ids), logits(reference, ids), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("args", [["--budget", "blocks=1", "--moves", "drop"], ["--budget", "attn=1", "--moves",
+                                                                              "blocks"]])
+def test_moves_that_cannot_meet_the_budget_are_refused(exported, tmp_path, capsys, args):
+    code = main(["plan", str(exported("llama", True)), "-o", str(tmp_path / "p"), *args])
+    assert code == 2 and "cannot meet this budget" in capsys.readouterr().err

@@ -21,13 +21,14 @@ from layerdrop.passes.metadata import removed_modules, write_json
 from layerdrop.runtime.evaluate import perplexity
 from layerdrop.runtime.session import make_session
 from layerdrop.search.alpha_search import ALPHA_GRID
+from layerdrop.search.blocks import BlockFit, replaceme, with_replaced_run
 from layerdrop.search.fit import fit_attention
 from layerdrop.search.measure import branch_means
 from layerdrop.search.planner import bypass_search, candidate_pool, plan_attention
-from layerdrop.search.selection import attention_count_for, drop_iteratively, lowest_layers, parse_budget
+from layerdrop.search.selection import attention_count_for, drop_iteratively, lowest_layers, parse_budget, select_lowest
 from layerdrop.windows import Sampling, Windows
 
-MOVES = ("drop", "bypass", "shift", "fit")
+MOVES = ("drop", "bypass", "shift", "fit", "blocks")
 
 
 @dataclass
@@ -38,25 +39,31 @@ class Candidate:
     alphas: dict[int, float] = field(default_factory=dict)  # V·O bypasses, alpha 0 = drop
     means: dict | None = None  # the mean shift of those layers
     fits: dict | None = None  # layer -> (W, b)
+    blocks: list[int] = field(default_factory=list)  # whole blocks dropped
+    run: BlockFit | None = None  # a ReplaceMe run
     ridges: dict | None = None  # layer -> the ridge each fit chose on the search windows
     moves: frozenset = frozenset()
 
 
-def parse_moves(text: str | None) -> frozenset:
-    """'drop,bypass' -> the move words allowed (default: all of MOVES).
+def parse_moves(text: str | None, budget_kind: str = "attn") -> frozenset:
+    """'drop,bypass' -> the move words allowed; by default every attention move, or `blocks` for a blocks budget.
 
     Raises:
-        LayerdropError: an unknown word.
+        LayerdropError: an unknown word, or moves that cannot meet the kind of budget.
     """
+    blocks = budget_kind == "blocks"
     if text is None:
-        return frozenset(MOVES)
+        return frozenset({"blocks"}) if blocks else frozenset(MOVES) - {"blocks"}
     words = {w.strip() for w in text.split(",") if w.strip()}
     unknown = sorted(words - set(MOVES))
     if unknown or not words:
         raise LayerdropError(f"bad --moves {text!r}: use words of {', '.join(MOVES)} (e.g. --moves drop,bypass)")
     if "shift" in words and not words & {"drop", "bypass"}:
         raise LayerdropError("--moves shift shifts drop or bypass moves; add drop or bypass")
-    return frozenset(words)
+    if blocks != ("blocks" in words) or (not blocks and not words - {"blocks"}):
+        raise LayerdropError(f"--moves {text} cannot meet this budget: blocks=N takes the blocks move, the other "
+                             "budgets drop, bypass, shift or fit")
+    return frozenset(words) & ({"blocks"} if blocks else set(MOVES) - {"blocks"})
 
 
 def plan(
@@ -84,8 +91,10 @@ def plan(
     """Plan the best set of attention moves for a budget and write the chosen model.
 
     Moves (`moves`, default all): drop, V·O bypass with a searched alpha (HARP's map), the mean shift on those,
-    and a fitted linear map (`search.fit`). The search windows come from the search part of `calib` (disjoint
-    from its calibration windows, on which means and fits are estimated); the pick is the row with the lowest
+    and a fitted linear map (`search.fit`) per attention layer; with a `blocks=N` budget, whole blocks: ShortGPT's
+    drop by block score and ReplaceMe's fitted run (`search.blocks`). The search windows come from the search
+    part of `calib` (disjoint from its calibration windows, on which means and fits are estimated); the pick is the
+    row with the lowest
     search perplexity among those the allowed moves make, and every row is also measured on `eval_text`, which no
     estimate or choice ever sees (its evaluation part, if it is `calib` itself).
 
@@ -97,13 +106,13 @@ def plan(
     Raises:
         LayerdropError: a bad budget, move word, model or text.
     """
-    allowed = parse_moves(moves) - (frozenset() if shift else {"shift"})
     folder, model = open_model(model_path)
     model_folder.reserve_output(Path(out_dir), inputs=[folder.path], force=force)
     attention = sorted(r.layer for r in annotated_regions(model) if r.kind == "attn")
     if not attention:
         raise LayerdropError("this graph has no attention regions; nothing to plan")
     kind, value, seq = parse_budget(budget, len(attention))
+    allowed = parse_moves(moves, kind) - (frozenset() if shift else {"shift"})
     started = time.perf_counter()
     rows = read_scores(model) or score(folder.path, None, calib=calib, samples=samples, seq_len=seq_len,
                                         sampling=sampling, provider=provider, threads=threads,
@@ -114,6 +123,13 @@ def plan(
     search_args = {**session_args, "batch_size": batch_size}  # sessions, and windows per run in every search
     calib_windows, search, held_out = _plan_windows(folder.path, calib, eval_text, samples, search_samples,
                                                     eval_samples, seq_len, sampling)
+    if kind == "blocks":
+        block_scores = {r["layer"]: r["score"] for r in rows if r["kind"] == "block"}
+        fit_windows = windows_for(folder.path, calib, role="calib", samples=min(samples, fit_samples),
+                                  seq_len=seq_len, sampling=sampling)
+        candidates = _block_methods(model, folder.path, block_scores, count, fit_windows, search.ids, search_args)
+        return _finish(model, folder, out_dir, force, budget, count, len(attention), candidates, allowed, search,
+                       held_out, started, search_args, fit_windows, [])
     candidates = _paper_methods(model, folder.path, scores, attention, count, calib_windows, search.ids, progress,
                                 search_args)
     grid = tuple(a for a in ALPHA_GRID if (a == 0 and "drop" in allowed) or (a > 0 and "bypass" in allowed))
@@ -143,22 +159,31 @@ def plan(
                 continue  # the same layers were fitted for an earlier row
             fit = fit_attention(model, folder.path, fit_windows, layers, validation=search.ids, **search_args)
             candidates.append(Candidate(name, fits=fit.maps, ridges=fit.ridges, moves=frozenset({"fit"})))
+    return _finish(model, folder, out_dir, force, budget, count, len(attention), candidates, allowed, search,
+                   held_out, started, search_args, fit_windows if "fit" in allowed else None,
+                   planned.log if grid else [])
+
+
+def _finish(model: ir.Model, folder, out_dir: Path, force: bool, budget: str, count: int, layers: int,
+            candidates: list[Candidate], allowed: frozenset, search: Windows, held_out: Windows, started: float,
+            search_args: dict, fit_windows: Windows | None, log: list[dict]) -> dict:
+    """Measure every candidate, pick the best allowed one on the search windows, write it; the plan's report."""
     table = [_measured(model, folder.path, candidate, search, held_out, search_args) for candidate in candidates]
     eligible = [row for row, c in zip(table, candidates) if c.moves <= allowed]
     pick_row = min(eligible, key=lambda row: row["search_ppl"])
     pick = candidates[table.index(pick_row)]
     seconds = time.perf_counter() - started
-    baseline = make_session(model, folder=folder.path, **session_args)  # still unmodified here
-    kept = (len(attention) - count) / len(attention)
-    result = {"budget": budget, "attention_layers": count, "kv_fraction_kept": kept, "moves": sorted(allowed),
+    baseline = make_session(model, folder=folder.path, provider=search_args["provider"],
+                            threads=search_args["threads"])  # still unmodified here
+    result = {"budget": budget, "attention_layers": count, "kv_fraction_kept": (layers - count) / layers,
+              "moves": sorted(allowed),
               "baseline": {"search_ppl": perplexity(baseline, search.ids).perplexity,
                            "eval_ppl": perplexity(baseline, held_out.ids).perplexity},
               "methods": table, "pick": pick_row, "search_seconds": seconds, "search_text": search.source,
-              "eval_text": held_out.source, "fit_text": fit_windows.source if "fit" in allowed else None}
+              "eval_text": held_out.source, "fit_text": fit_windows.source if fit_windows is not None else None}
     write_json(model.metadata_props, PLAN_KEY, result)
-    result["planner_log"] = planned.log if grid else []
-    run_passes(model, rewrite_passes([], pick.alphas, "plan", means=pick.means, fits=pick.fits))
-    save_model(model, out_dir, folder, force=force)
+    result["planner_log"] = log
+    save_model(_rewritten(model, pick), out_dir, folder, force=force)
     return result
 
 
@@ -204,17 +229,40 @@ def _moves_of(alphas: dict[int, float]) -> frozenset:
                      | ({"bypass"} if any(a > 0 for a in alphas.values()) else set()))
 
 
+def _rewritten(model: ir.Model, candidate: Candidate) -> ir.Model:
+    """A copy of `model` with the candidate's moves applied."""
+    if candidate.run is not None:
+        return with_replaced_run(model, candidate.run.start, candidate.run.count, candidate.run.transform)
+    rewritten = model_folder.copy_model(model)
+    drops = [("block", k) for k in candidate.blocks]
+    run_passes(rewritten, rewrite_passes(drops, candidate.alphas, "plan", means=candidate.means, fits=candidate.fits))
+    return rewritten
+
+
 def _measured(model: ir.Model, folder: Path, candidate: Candidate, search: Windows, held_out: Windows,
               search_args: dict) -> dict:
     """One row of the comparison: the rewritten model's perplexity on the search and the held-out windows."""
-    rewritten = model_folder.copy_model(model)
-    run_passes(rewritten, rewrite_passes([], candidate.alphas, "plan", means=candidate.means, fits=candidate.fits))
-    session = make_session(rewritten, folder=folder, provider=search_args["provider"],
+    session = make_session(_rewritten(model, candidate), folder=folder, provider=search_args["provider"],
                            threads=search_args["threads"])
     batch = search_args["batch_size"]
+    run = candidate.run
     return {"method": candidate.name, "alphas": {int(k): v for k, v in sorted(candidate.alphas.items())},
             "fits": sorted(candidate.fits or {}), "shift": candidate.means is not None,
             "ridges": {int(k): v for k, v in (candidate.ridges or {}).items()},
+            "blocks": candidate.blocks or (list(range(run.start + 1, run.start + 1 + run.count)) if run else []),
+            "replaced_into": run.start if run else None,
             "moves": sorted(candidate.moves),
             "search_ppl": perplexity(session, search.ids, batch_size=batch).perplexity,
             "eval_ppl": perplexity(session, held_out.ids, batch_size=batch).perplexity}
+
+
+def _block_methods(model: ir.Model, folder: Path, block_scores: dict[int, float], count: int, fit_windows: Windows,
+                   search_ids, search_args: dict) -> list[Candidate]:
+    """Block budgets: ShortGPT's drop of the lowest-scored blocks, and ReplaceMe's fitted run (its selection)."""
+    moves = frozenset({"blocks"})
+    rows = [{"layer": layer, "kind": "block", "score": s} for layer, s in block_scores.items()]
+    lowest = sorted(layer for _, layer in select_lowest(rows, ("block",), count))
+    run = replaceme(model, folder, fit_windows, count, validation=search_ids, **search_args)
+    return [Candidate("ShortGPT-style block drop of the lowest block scores", blocks=lowest, moves=moves),
+            Candidate("ReplaceMe: its selection and fitted transform", run=run, ridges={run.start: run.ridge},
+                      moves=moves)]

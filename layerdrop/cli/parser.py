@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="for a budget, choose which attention layers go and how (drop or bypass)")
     p.add_argument("model", type=Path)
     _output(p)
-    p.add_argument("--budget", required=True, help="attn=N | kv=FRACTION_KEPT | speedup=X[@TOKENS]")
+    p.add_argument("--budget", required=True, help="attn=N | kv=FRACTION_KEPT | speedup=X[@TOKENS] | blocks=N")
     p.add_argument("--calib", type=Path, help="text for scores and the search (default: bundled calibration text)")
     p.add_argument("--eval", type=Path, help="held-out text for the comparison table (default: bundled eval text)")
     p.add_argument("--samples", type=parse_count, default=64, help="scoring windows (if the model is unscored)")
@@ -183,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-shift", dest="shift", action="store_false",
                    help="without the mean shift (the same as leaving shift out of --moves)")
     p.add_argument("--moves", help="the moves allowed: drop, bypass, shift, fit (default all; --moves drop,bypass "
-                   "searches the papers' moves only)")
+                   "searches the papers' moves only); blocks, with --budget blocks=N")
     p.add_argument("--fit-samples", type=parse_count, default=32, help="calibration windows the fits are estimated on")
     p.add_argument("--json", type=Path)
     _sampling_options(p)

@@ -19,7 +19,7 @@ from layerdrop.passes.prune_kv_cache import PruneKvCachePass
 from layerdrop.search.measure import compute_scores
 from layerdrop.windows import Windows
 
-BUDGET_KINDS = ("attn", "kv", "speedup")
+BUDGET_KINDS = ("attn", "kv", "speedup", "blocks")
 
 
 def _order(row: dict) -> tuple:
@@ -74,14 +74,14 @@ def drop_iteratively(model: ir.Model, folder: Path, windows: Windows, kinds: tup
 
 
 def parse_budget(text: str, attention_layers: int) -> tuple[str, float, int | None]:
-    """'attn=8' | 'kv=0.75' | 'speedup=1.2' or 'speedup=1.2@1024' -> (kind, value, seq for speedup).
+    """'attn=8' | 'kv=0.75' | 'blocks=4' | 'speedup=1.2' or 'speedup=1.2@1024' -> (kind, value, seq for speedup).
 
     Raises:
         LayerdropError: an unknown or out-of-range budget.
     """
     kind, sep, value = text.partition("=")
     if not sep or kind not in BUDGET_KINDS:
-        raise LayerdropError(f"bad --budget {text!r}: use attn=N, kv=FRACTION or speedup=X[@TOKENS]")
+        raise LayerdropError(f"bad --budget {text!r}: use attn=N, kv=FRACTION, blocks=N or speedup=X[@TOKENS]")
     value, _, seq = value.partition("@")
     try:
         number = float(value)
@@ -90,6 +90,9 @@ def parse_budget(text: str, attention_layers: int) -> tuple[str, float, int | No
         raise LayerdropError(f"bad --budget {text!r}: {value!r} is not a number") from None
     if kind == "attn" and not (number.is_integer() and 1 <= number <= attention_layers):
         raise LayerdropError(f"--budget attn={value} must be a whole number from 1 to {attention_layers}")
+    if kind == "blocks" and not (number.is_integer() and 1 <= number < attention_layers):
+        raise LayerdropError(f"--budget blocks={value} must be a whole number from 1 to {attention_layers - 1} (a "
+                             "block must stay to carry a fitted run)")
     if kind == "kv" and not 0 <= number < 1:
         raise LayerdropError(f"--budget kv={value} must be a fraction in [0, 1) of the KV cache to keep")
     if kind == "speedup" and not number > 1:
@@ -104,7 +107,7 @@ def attention_count_for(kind: str, value: float, seq: int | None, model: ir.Mode
     from layerdrop.runtime.bench import node_times
 
     layers = len(scores)
-    if kind == "attn":
+    if kind in ("attn", "blocks"):
         return int(value)
     if kind == "kv":
         return max(1, math.ceil(layers * (1 - value) - 1e-9))
