@@ -21,6 +21,7 @@ KV_LAYERS_KEY = "layerdrop.kv_layers"        # original layer of each kept KV-ca
 FUSIONS_KEY = "layerdrop.ort_fusions"        # counts of ONNX Runtime fusions applied
 HARP_SEARCH_KEY = "layerdrop.harp_search"    # alpha search: text, every trial, seconds
 PLAN_KEY = "layerdrop.plan"                  # the planner's table and pick
+QUANTIZATION_KEY = "layerdrop.quantization"  # int4: bits, block size, accuracy level
 
 # -- node metadata (on a region's residual Add) ---------------------------------------------------------------------
 REGION_KEY = "layerdrop.region"              # the analysis: kind, layer, skip input, norm output, KV names

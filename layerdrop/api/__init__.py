@@ -16,8 +16,9 @@ from layerdrop.api.harp import harp
 from layerdrop.api.inspect import inspect, plot_scores
 from layerdrop.api.pipeline import pipeline
 from layerdrop.api.plan import plan
+from layerdrop.api.quantize import quantize
 from layerdrop.api.score import score
 
 __all__ = ["DEFAULT_SAMPLES", "DEFAULT_SEQ_LEN", "bench", "check", "drop", "evaluate", "export", "generate_text",
-           "harness", "harp", "inspect", "open_model", "pipeline", "plan", "plot_scores", "rewrite_passes", "score",
-           "windows_for", "write_json"]
+           "harness", "harp", "inspect", "open_model", "pipeline", "plan", "plot_scores", "quantize", "rewrite_passes",
+           "score", "windows_for", "write_json"]

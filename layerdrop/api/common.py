@@ -11,6 +11,7 @@ import onnx
 import onnx_ir as ir
 
 from layerdrop import model_folder
+from layerdrop.errors import LayerdropError
 from layerdrop.formats import FUSIONS_KEY
 from layerdrop.passes.cleanup import cleanup_passes, run_passes
 from layerdrop.passes.drop_branches import DropBranchesPass
@@ -66,10 +67,13 @@ def calibration_sha256(model: ir.Model) -> str | None:
 
 
 def rewrite_passes(drops: list[tuple[str, int]], alphas: dict[int, float], reason: str, fuse: bool = False,
-                   means: dict | None = None, fits: dict | None = None) -> list[ir.passes.PassBase]:
+                   means: dict | None = None, fits: dict | None = None,
+                   quantize: str | None = None) -> list[ir.passes.PassBase]:
     """The passes that apply drops, fitted maps (layer -> (W, b)) and HARP bypasses (mean-shifted for the layers
     in `means`) to an annotated model, fold alphas, prune the KV cache, clean up and annotate again; with `fuse`,
-    ONNX Runtime fusions last of all (which also restores a builder graph's skip-norms)."""
+    ONNX Runtime fusions (which also restore a builder graph's skip-norms); with `quantize="int4"`, ONNX Runtime's
+    MatMulNBits quantizer last of all: remove first, then quantize. `run_passes` returns the model to keep (the
+    quantizer writes a new one)."""
     from onnxscript.rewriter import RewritePass
 
     passes: list[ir.passes.PassBase] = []
@@ -84,7 +88,22 @@ def rewrite_passes(drops: list[tuple[str, int]], alphas: dict[int, float], reaso
         from layerdrop.passes.ort_fusions import OrtFusionPass
 
         passes += [OrtFusionPass(), *cleanup_passes()]
+    if quantize is not None:
+        passes.append(quantize_pass(quantize))
     return passes
+
+
+def quantize_pass(kind: str, block_size: int = 32, accuracy_level: int | None = None) -> ir.passes.PassBase:
+    """The pass for `--quantize KIND` (int4: ONNX Runtime's MatMulNBits quantizer).
+
+    Raises:
+        LayerdropError: an unknown kind.
+    """
+    if kind != "int4":
+        raise LayerdropError(f"unknown --quantize {kind!r}; layerdrop writes int4 (MatMulNBits)")
+    from layerdrop.passes.quantize_int4 import QuantizeInt4Pass
+
+    return QuantizeInt4Pass(block_size=block_size, accuracy_level=accuracy_level)
 
 
 def fusions(model: ir.Model) -> dict[str, int]:

@@ -42,8 +42,10 @@ def drop(
     force: bool = False,
     progress: bool = True,
     fuse: bool = False,
+    quantize: str | None = None,
 ) -> dict:
-    """Drop modules and write the pruned folder (with `fuse`, ONNX Runtime fusions applied after the drop).
+    """Drop modules and write the pruned folder (with `fuse`, ONNX Runtime fusions applied after the drop; with
+    `quantize="int4"`, ONNX Runtime's int4 quantizer after that).
 
     Args:
         targets: explicit (kind, layer) pairs, kind in attn/mlp/block.
@@ -77,7 +79,7 @@ def drop(
         windows = windows_for(folder.path, calib, role="calib", samples=samples, seq_len=seq_len, sampling=sampling)
         for kinds, count in selection_kinds(counts):
             drop_iteratively(model, folder.path, windows, kinds, count, provider, threads, progress)
-    run_passes(model, [*passes, *rewrite_passes([], {}, "", fuse=fuse)])
+    model = run_passes(model, [*passes, *rewrite_passes([], {}, "", fuse=fuse, quantize=quantize)])
     save_model(model, out_dir, folder, force=force)
     return {"fusions": fusions(model), "dropped": removed_modules(model), "kv_layers": kv_layer_map(model),
             "nodes": {"before": nodes_before, "after": len(model.graph)}}

@@ -41,6 +41,7 @@ def harp(
     force: bool = False,
     progress: bool = True,
     fuse: bool = False,
+    quantize: str | None = None,
 ) -> dict:
     """Replace attention by the rescaled V·O map (SPEC §4) in chosen layers, and write the folder.
 
@@ -80,7 +81,7 @@ def harp(
             alphas, trials = found.alphas, found.trials
             write_json(model.metadata_props, HARP_SEARCH_KEY,
                        {"text": windows.source, "trials": trials, "seconds": round(seconds, 1)})
-    run_passes(model, rewrite_passes([], alphas, "harp", fuse=fuse))
+    model = run_passes(model, rewrite_passes([], alphas, "harp", fuse=fuse, quantize=quantize))
     save_model(model, out_dir, folder, force=force)
     return {"alphas": {int(k): v for k, v in alphas.items()}, "trials": trials, "search_seconds": seconds,
             "kv_layers": kv_layer_map(model), "fusions": fusions(model)}

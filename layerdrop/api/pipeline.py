@@ -76,6 +76,7 @@ def pipeline(
     force: bool = False,
     progress: bool = True,
     fuse: bool = False,
+    quantize: str | None = None,
 ) -> dict:
     """Run the whole pipeline; returns the side-by-side report (also written to OUTDIR/report.json and .md).
 
@@ -112,17 +113,17 @@ def pipeline(
     layers = int(inspect(scored)["regions"][-1]["layer"]) + 1
     if harp_top is not None:
         method = f"harp-{harp_top}"
-        key = _fingerprint("harp", _stamp_of(scored), harp_top, _file_digest(calib), sampling, fuse)
+        key = _fingerprint("harp", _stamp_of(scored), harp_top, _file_digest(calib), sampling, fuse, quantize)
         _stage(method, pruned, key, resume and not redo, lambda: harp(
             scored, pruned, top=harp_top, search=True, search_text=calib, sampling=sampling, batch_size=batch_size,
             provider=provider,
-            threads=threads, force=True, progress=progress, fuse=fuse))
+            threads=threads, force=True, progress=progress, fuse=fuse, quantize=quantize))
     else:
         counts = {"joint": joint} if joint is not None else {"attn": attn if attn is not None else max(1, layers // 4)}
         method = "-".join(f"{k}-{v}" for k, v in counts.items())
-        key = _fingerprint("drop", _stamp_of(scored), counts, fuse)
+        key = _fingerprint("drop", _stamp_of(scored), counts, fuse, quantize)
         _stage(method, pruned, key, resume and not redo,
-               lambda: drop(scored, pruned, counts=counts, force=True, fuse=fuse))
+               lambda: drop(scored, pruned, counts=counts, force=True, fuse=fuse, quantize=quantize))
 
     print("[eval] ...", file=sys.stderr)
     quality = [evaluate(folder, text=eval_text, samples=eval_samples, seq_len=seq_len, sampling=sampling,

@@ -10,7 +10,15 @@ from pathlib import Path
 import onnx_ir as ir
 
 from layerdrop import model_folder
-from layerdrop.api.common import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, open_model, rewrite_passes, save_model, windows_for
+from layerdrop.api.common import (
+    DEFAULT_SAMPLES,
+    DEFAULT_SEQ_LEN,
+    open_model,
+    quantize_pass,
+    rewrite_passes,
+    save_model,
+    windows_for,
+)
 from layerdrop.api.score import score
 from layerdrop.errors import LayerdropError
 from layerdrop.formats import PLAN_KEY
@@ -87,6 +95,7 @@ def plan(
     threads: int | None = None,
     force: bool = False,
     progress: bool = True,
+    quantize: str | None = None,
 ) -> dict:
     """Plan the best set of attention moves for a budget and write the chosen model.
 
@@ -129,7 +138,7 @@ def plan(
                                   seq_len=seq_len, sampling=sampling)
         candidates = _block_methods(model, folder.path, block_scores, count, fit_windows, search.ids, search_args)
         return _finish(model, folder, out_dir, force, budget, count, len(attention), candidates, allowed, search,
-                       held_out, started, search_args, fit_windows, [])
+                       held_out, started, search_args, fit_windows, [], quantize)
     candidates = _paper_methods(model, folder.path, scores, attention, count, calib_windows, search.ids, progress,
                                 search_args)
     grid = tuple(a for a in ALPHA_GRID if (a == 0 and "drop" in allowed) or (a > 0 and "bypass" in allowed))
@@ -161,12 +170,12 @@ def plan(
             candidates.append(Candidate(name, fits=fit.maps, ridges=fit.ridges, moves=frozenset({"fit"})))
     return _finish(model, folder, out_dir, force, budget, count, len(attention), candidates, allowed, search,
                    held_out, started, search_args, fit_windows if "fit" in allowed else None,
-                   planned.log if grid else [])
+                   planned.log if grid else [], quantize)
 
 
 def _finish(model: ir.Model, folder, out_dir: Path, force: bool, budget: str, count: int, layers: int,
             candidates: list[Candidate], allowed: frozenset, search: Windows, held_out: Windows, started: float,
-            search_args: dict, fit_windows: Windows | None, log: list[dict]) -> dict:
+            search_args: dict, fit_windows: Windows | None, log: list[dict], quantize: str | None) -> dict:
     """Measure every candidate, pick the best allowed one on the search windows, write it; the plan's report."""
     table = [_measured(model, folder.path, candidate, search, held_out, search_args) for candidate in candidates]
     eligible = [row for row, c in zip(table, candidates) if c.moves <= allowed]
@@ -183,7 +192,10 @@ def _finish(model: ir.Model, folder, out_dir: Path, force: bool, budget: str, co
               "eval_text": held_out.source, "fit_text": fit_windows.source if fit_windows is not None else None}
     write_json(model.metadata_props, PLAN_KEY, result)
     result["planner_log"] = log
-    save_model(_rewritten(model, pick), out_dir, folder, force=force)
+    chosen = _rewritten(model, pick)
+    if quantize is not None:  # the comparison is measured before quantization; the written model is quantized
+        chosen = run_passes(chosen, [quantize_pass(quantize)])
+    save_model(chosen, out_dir, folder, force=force)
     return result
 
 

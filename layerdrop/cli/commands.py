@@ -69,7 +69,8 @@ def cmd_drop(args) -> int:
     counts = {k: getattr(args, k) for k in ("attn", "mlp", "block", "joint")}
     result = api.drop(args.model, args.output, targets=targets, counts=counts, iterative=args.iterative,
                       calib=args.calib, samples=args.samples, seq_len=args.seq_len, sampling=sampling(args),
-                      force=args.force, progress=_progress(args), fuse=args.fuse, **_runtime(args))
+                      force=args.force, progress=_progress(args), fuse=args.fuse, quantize=args.quantize,
+                      **_runtime(args))
     names = ", ".join(f"{e['kind']}:{e['layer']}" for e in result["dropped"])
     print(f"dropped {names}; nodes {result['nodes']['before']} -> {result['nodes']['after']}; written to {args.output}")
     print_fusions(result["fusions"], args.fuse)
@@ -82,7 +83,7 @@ def cmd_harp(args) -> int:
     result = api.harp(args.model, args.output, alphas=args.alpha, top=args.top, search=args.search,
                       search_text=args.search_text, samples=args.samples, seq_len=args.seq_len,
                       sampling=sampling(args), batch_size=args.batch_size, force=args.force,
-                      progress=_progress(args), fuse=args.fuse, **_runtime(args))
+                      progress=_progress(args), fuse=args.fuse, quantize=args.quantize, **_runtime(args))
     print_fusions(result["fusions"], args.fuse)
     alphas = ", ".join(f"{layer}={alpha:g}" for layer, alpha in sorted(result["alphas"].items(), reverse=True))
     searched = f" (searched in {result['search_seconds']:.0f} s)" if result["trials"] else ""
@@ -168,7 +169,8 @@ def cmd_pipeline(args) -> int:
                           joint=args.joint, harp_top=args.harp, samples=args.samples, seq_len=args.seq_len,
                           eval_samples=args.eval_samples, bench_seq=args.seq, bench_runs=args.runs,
                           sampling=sampling(args), batch_size=args.batch_size, resume=args.resume,
-                          force=args.force, progress=_progress(args), fuse=args.fuse, **_runtime(args))
+                          force=args.force, progress=_progress(args), fuse=args.fuse, quantize=args.quantize,
+                          **_runtime(args))
     print(side_by_side(report["bench"], report["method"], report["quality"]))
     print(f"all stages and report.json are in {args.output}")
     return 0
@@ -181,7 +183,7 @@ def cmd_plan(args) -> int:
                       samples=args.samples, search_samples=args.search_samples, eval_samples=args.eval_samples,
                       fit_samples=args.fit_samples, seq_len=args.seq_len, sampling=sampling(args),
                       batch_size=args.batch_size, extra=args.extra, moves=args.moves, shift=args.shift,
-                      force=args.force, progress=_progress(args), **_runtime(args))
+                      force=args.force, progress=_progress(args), quantize=args.quantize, **_runtime(args))
     print(plan_table(result))
     print(f"pick: {result['pick']['method']}; search took {result['search_seconds']:.0f} s; written to {args.output}")
     if args.json:
@@ -189,5 +191,17 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def cmd_quantize(args) -> int:
+    result = api.quantize(args.model, args.output, block_size=args.block_size, accuracy_level=args.accuracy_level,
+                          force=args.force)
+    sizes = result["bytes"]
+    print(f"int4: {result['matmul_nbits']} MatMulNBits, {sizes['before']:,} -> {sizes['after']:,} bytes; written to "
+          f"{args.output}")
+    if args.json:
+        api.write_json(result, args.json)
+    return 0
+
+
 COMMANDS = {"export": cmd_export, "score": cmd_score, "inspect": cmd_inspect, "drop": cmd_drop, "harp": cmd_harp,
-            "eval": cmd_eval, "bench": cmd_bench, "check": cmd_check, "pipeline": cmd_pipeline, "plan": cmd_plan}
+            "eval": cmd_eval, "bench": cmd_bench, "check": cmd_check, "pipeline": cmd_pipeline, "plan": cmd_plan,
+            "quantize": cmd_quantize}

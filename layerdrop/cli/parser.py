@@ -97,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     _text_options(p, "--calib", "calibration")
     p.add_argument("--json", type=Path, help="write what was dropped as JSON")
     p.add_argument("--fuse", action="store_true", help="apply ONNX Runtime fusions after the drop")
+    _quantize_option(p)
     _common(p)
 
     p = sub.add_parser("harp", help="replace top-layer attention by a rescaled V·O projection (HARP)")
@@ -109,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=parse_count, default=1, help="windows per ONNX Runtime run in the search")
     p.add_argument("--json", type=Path, help="write the alphas and every perplexity tried as JSON")
     p.add_argument("--fuse", action="store_true", help="apply ONNX Runtime fusions after the rewrite")
+    _quantize_option(p)
     _common(p)
 
     p = sub.add_parser("eval", help="perplexity (and greedy generations) of one model or two side by side")
@@ -139,6 +141,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", type=Path)
     _common(p)
 
+    p = sub.add_parser("quantize", help="int4 weights (MatMulNBits) through ONNX Runtime's quantizer")
+    p.add_argument("model", type=Path)
+    _output(p)
+    p.add_argument("--block-size", type=parse_count, default=32, help="weights per scale (16, 32, 64, 128, ...)")
+    p.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4), default=None,
+                   help="MatMulNBits accuracy level (4: int8 activations on CPU)")
+    p.add_argument("--json", type=Path)
+    p.add_argument("--debug", action="store_true")
+
     p = sub.add_parser("check", help="CI gate: exit 0 within budget, 1 over budget, 2 on bad input")
     p.add_argument("model", type=Path)
     p.add_argument("--max-bytes", type=parse_bytes, help="model file bytes, e.g. 500MB or 1.5GiB")
@@ -164,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="skip stages whose output matches their inputs")
     p.add_argument("--force", action="store_true", help="redo every stage in a non-empty OUTDIR")
     p.add_argument("--fuse", action="store_true", help="apply ONNX Runtime fusions to the rewritten model")
+    _quantize_option(p)
     p.add_argument("--batch-size", type=parse_count, default=1, help="windows per ONNX Runtime run")
     _sampling_options(p)
     _common(p)
@@ -185,10 +197,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--moves", help="the moves allowed: drop, bypass, shift, fit (default all; --moves drop,bypass "
                    "searches the papers' moves only); blocks, with --budget blocks=N")
     p.add_argument("--fit-samples", type=parse_count, default=32, help="calibration windows the fits are estimated on")
+    _quantize_option(p)
     p.add_argument("--json", type=Path)
     _sampling_options(p)
     _common(p)
     return parser
+
+
+def _quantize_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quantize", choices=("int4",), help="write int4 weights (MatMulNBits, ONNX Runtime's "
+                        "quantizer) after the rewrite")
 
 
 def _seq_list(text: str) -> tuple[int, ...]:

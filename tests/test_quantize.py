@@ -1,0 +1,60 @@
+"""Issue 17, int4 out: ONNX Runtime's MatMulNBits quantizer after the rewrite (remove first, then quantize)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from layerdrop import api
+from layerdrop.cli import main
+from tests.helpers import ort_logits
+from tests.torch_reference import VOCAB
+
+
+def _constant_matmuls(folder) -> int:
+    """MatMuls whose second input is a 2-D initializer (what the quantizer turns into MatMulNBits)."""
+    graph = onnx.load(folder / "model.onnx", load_external_data=False).graph
+    shapes = {t.name: list(t.dims) for t in graph.initializer}
+    return sum(1 for n in graph.node if n.op_type == "MatMul" and len(shapes.get(n.input[1], [])) == 2)
+
+
+def _ops(folder) -> list[str]:
+    return [n.op_type for n in onnx.load(folder / "model.onnx", load_external_data=False).graph.node]
+
+
+def test_quantize_writes_matmul_nbits_for_every_weight_and_stays_close(exported, tmp_path, rng, capsys):
+    source = exported("llama", True)
+    capsys.readouterr()
+    assert main(["quantize", str(source), "-o", str(tmp_path / "q"), "--block-size", "16", "--json",
+                 str(tmp_path / "q.json")]) == 0
+    report = json.loads((tmp_path / "q.json").read_text())
+    assert _ops(tmp_path / "q").count("MatMulNBits") == report["matmul_nbits"] == _constant_matmuls(source) > 0
+    assert report["bytes"]["after"] < report["bytes"]["before"]
+    ids = rng.randint(0, VOCAB, size=(1, 12))
+    base, quantized = ort_logits(source, ids), ort_logits(tmp_path / "q", ids)
+    cosine = (base * quantized).sum() / np.linalg.norm(base) / np.linalg.norm(quantized)
+    assert cosine > 0.99, cosine
+    meta = {p.key: p.value for p in onnx.load(tmp_path / "q" / "model.onnx", load_external_data=False).metadata_props}
+    assert json.loads(meta["layerdrop.quantization"])["block_size"] == 16 and "layerdrop.family" in meta
+
+
+def test_a_drop_is_removed_first_then_quantized(exported, tmp_path):
+    source = exported("llama", True)
+    api.drop(source, tmp_path / "d", targets=[("attn", 1)], quantize="int4")
+    assert _ops(tmp_path / "d").count("MatMulNBits") == _constant_matmuls(source) - 4  # q, k, v, o of layer 1 went
+    assert api.inspect(tmp_path / "d")["kv_layers"] == [0, 2, 3]
+
+
+def test_served_by_genai_after_drop_and_quantization(exported, tmp_path, rng):
+    pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed")
+    from layerdrop.runtime.generate import greedy_generate
+    from layerdrop.runtime.session import make_session
+    from tests.genai_helpers import genai_greedy
+
+    api.drop(exported("llama", True), tmp_path / "d", targets=[("attn", 2)], quantize="int4")
+    prompt = [int(t) for t in rng.randint(0, VOCAB, size=8)]
+    ours, _ = greedy_generate(make_session(tmp_path / "d" / "model.onnx"), np.array([prompt]), 12)
+    assert genai_greedy(tmp_path / "d", prompt, 12) == ours
