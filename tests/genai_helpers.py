@@ -12,14 +12,17 @@ import numpy as np
 from layerdrop.errors import LayerdropError
 
 
-def run_builder(hf_folder: Path, out: Path, *, precision: str = "fp32", provider: str = "cpu") -> Path:
-    """`python -m onnxruntime_genai.models.builder` on a Hugging Face folder; its cache goes beside `out`.
+def run_builder(hf_folder: Path, out: Path, *, precision: str = "fp32", provider: str = "cpu",
+                extra_options: list[str] | None = None) -> Path:
+    """`python -m onnxruntime_genai.models.builder` on a Hugging Face folder; its cache goes beside `out`;
+    `extra_options` like ["int4_accuracy_level=0"].
 
     Raises:
         LayerdropError: the builder failed (its last error line is in the message).
     """
     done = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_folder), "-o",
-                           str(out), "-p", precision, "-e", provider, "-c", str(Path(out).parent / "builder-cache")],
+                           str(out), "-p", precision, "-e", provider, "-c", str(Path(out).parent / "builder-cache"),
+                           *(["--extra_options", *extra_options] if extra_options else [])],
                           capture_output=True, text=True)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1][:300]

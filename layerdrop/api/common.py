@@ -93,6 +93,18 @@ def rewrite_passes(drops: list[tuple[str, int]], alphas: dict[int, float], reaso
     return passes
 
 
+def int4_write_back(model: ir.Model, keep_float: bool) -> list[ir.passes.PassBase]:
+    """For an int4 source (MatMulNBits weights), the pass that writes the matrices a rewrite computed in float (a
+    folded V·O map, a fitted map) back as MatMulNBits with ONNX Runtime's quantizer at the source's block size and
+    accuracy level; none with `keep_float` or for a float source."""
+    from layerdrop.passes.matmul_nbits import nbits_layout
+
+    layout = nbits_layout(model)
+    if layout is None or keep_float:
+        return []
+    return [quantize_pass("int4", layout["block_size"], layout["accuracy_level"])]
+
+
 def quantize_pass(kind: str, block_size: int = 32, accuracy_level: int | None = None) -> ir.passes.PassBase:
     """The pass for `--quantize KIND` (int4: ONNX Runtime's MatMulNBits quantizer).
 

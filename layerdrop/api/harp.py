@@ -10,6 +10,7 @@ from layerdrop.api.common import (
     DEFAULT_SEQ_LEN,
     calibration_sha256,
     fusions,
+    int4_write_back,
     open_model,
     rewrite_passes,
     save_model,
@@ -42,12 +43,14 @@ def harp(
     progress: bool = True,
     fuse: bool = False,
     quantize: str | None = None,
+    keep_float: bool = False,
 ) -> dict:
     """Replace attention by the rescaled V·O map (SPEC §4) in chosen layers, and write the folder.
 
     Either explicit `alphas` (layer -> alpha), or `top` K layers with `search` (greedy, top-down, over
     {0, 0.1, ..., 1}, by perplexity on search windows of `search_text`, default the bundled calibration text), or
-    `top` K with alpha = 1.
+    `top` K with alpha = 1. On an int4 graph (MatMulNBits) V and O are read back exactly, the V·O matrix is
+    computed in float64 and written back as MatMulNBits at the graph's block size, unless `keep_float`.
 
     Returns:
         {"alphas": {...}, "trials": [...], "search_seconds": s, "kv_layers": [...], "fusions": {...}}
@@ -81,7 +84,8 @@ def harp(
             alphas, trials = found.alphas, found.trials
             write_json(model.metadata_props, HARP_SEARCH_KEY,
                        {"text": windows.source, "trials": trials, "seconds": round(seconds, 1)})
-    model = run_passes(model, rewrite_passes([], alphas, "harp", fuse=fuse, quantize=quantize))
+    model = run_passes(model, [*rewrite_passes([], alphas, "harp", fuse=fuse, quantize=quantize),
+                               *int4_write_back(model, keep_float or quantize is not None)])
     save_model(model, out_dir, folder, force=force)
     return {"alphas": {int(k): v for k, v in alphas.items()}, "trials": trials, "search_seconds": seconds,
             "kv_layers": kv_layer_map(model), "fusions": fusions(model)}

@@ -13,6 +13,7 @@ from layerdrop import model_folder
 from layerdrop.api.common import (
     DEFAULT_SAMPLES,
     DEFAULT_SEQ_LEN,
+    int4_write_back,
     open_model,
     quantize_pass,
     rewrite_passes,
@@ -96,6 +97,7 @@ def plan(
     force: bool = False,
     progress: bool = True,
     quantize: str | None = None,
+    keep_float: bool = False,
 ) -> dict:
     """Plan the best set of attention moves for a budget and write the chosen model.
 
@@ -138,7 +140,7 @@ def plan(
                                   seq_len=seq_len, sampling=sampling)
         candidates = _block_methods(model, folder.path, block_scores, count, fit_windows, search.ids, search_args)
         return _finish(model, folder, out_dir, force, budget, count, len(attention), candidates, allowed, search,
-                       held_out, started, search_args, fit_windows, [], quantize)
+                       held_out, started, search_args, fit_windows, [], (quantize, keep_float))
     candidates = _paper_methods(model, folder.path, scores, attention, count, calib_windows, search.ids, progress,
                                 search_args)
     grid = tuple(a for a in ALPHA_GRID if (a == 0 and "drop" in allowed) or (a > 0 and "bypass" in allowed))
@@ -170,12 +172,12 @@ def plan(
             candidates.append(Candidate(name, fits=fit.maps, ridges=fit.ridges, moves=frozenset({"fit"})))
     return _finish(model, folder, out_dir, force, budget, count, len(attention), candidates, allowed, search,
                    held_out, started, search_args, fit_windows if "fit" in allowed else None,
-                   planned.log if grid else [], quantize)
+                   planned.log if grid else [], (quantize, keep_float))
 
 
 def _finish(model: ir.Model, folder, out_dir: Path, force: bool, budget: str, count: int, layers: int,
             candidates: list[Candidate], allowed: frozenset, search: Windows, held_out: Windows, started: float,
-            search_args: dict, fit_windows: Windows | None, log: list[dict], quantize: str | None) -> dict:
+            search_args: dict, fit_windows: Windows | None, log: list[dict], output: tuple) -> dict:
     """Measure every candidate, pick the best allowed one on the search windows, write it; the plan's report."""
     table = [_measured(model, folder.path, candidate, search, held_out, search_args) for candidate in candidates]
     eligible = [row for row, c in zip(table, candidates) if c.moves <= allowed]
@@ -193,8 +195,9 @@ def _finish(model: ir.Model, folder, out_dir: Path, force: bool, budget: str, co
     write_json(model.metadata_props, PLAN_KEY, result)
     result["planner_log"] = log
     chosen = _rewritten(model, pick)
-    if quantize is not None:  # the comparison is measured before quantization; the written model is quantized
-        chosen = run_passes(chosen, [quantize_pass(quantize)])
+    quantize, keep_float = output  # the comparison is measured in float; the written model is quantized
+    writes = [quantize_pass(quantize)] if quantize is not None else int4_write_back(model, keep_float)
+    chosen = run_passes(chosen, writes) if writes else chosen
     save_model(chosen, out_dir, folder, force=force)
     return result
 

@@ -26,11 +26,15 @@ from layerdrop.errors import LayerdropError
 from layerdrop.formats import REGION_KEY
 from layerdrop.passes.drop_branches import bypass
 from layerdrop.passes.find_residuals import PROJECTION_OPS, ResidualRegion, annotated_regions
+from layerdrop.passes.matmul_nbits import dequantized_weight
 from layerdrop.passes.metadata import head_layout_metadata, record_removals, removal_record
 
 
 def _weight(node: ir.Node) -> np.ndarray | None:
-    """The constant [in, out] weight of a MatMul (through a Transpose of a constant, if any)."""
+    """The constant [in, out] weight of a MatMul (through a Transpose of a constant, if any), or of an int4
+    MatMulNBits read back exactly (float64)."""
+    if node.op_type == "MatMulNBits":
+        return dequantized_weight(node)
     if node.op_type != "MatMul":
         return None
     value = node.inputs[1]
@@ -238,7 +242,8 @@ def bypass_attention(graph: ir.Graph, region: ResidualRegion, layout: tuple[int,
     graph both call it.
     """
     o_node, o_out, matrix, bias = folded_vo(region, *layout)
-    dtype = matrix.dtype
+    dtype = region.skip.dtype.numpy() if region.skip.dtype is not None else matrix.dtype  # int4 weights read as float64
+    matrix, bias = matrix.astype(dtype), None if bias is None else bias.astype(dtype)
     prefix = f"layerdrop.harp.{region.layer}"
     nodes = [ir.node("MatMul", [region.norm_output, initializer(graph, f"{prefix}.vo", matrix)])]
     if bias is not None:

@@ -27,7 +27,13 @@ class QuantizeInt4Pass(ir.passes.PassBase):
         self.block_size, self.accuracy_level, self.symmetric = block_size, accuracy_level, symmetric
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+        root = logging.getLogger()
+        level, handlers = root.level, list(root.handlers)
+        try:  # ONNX Runtime's quantization module configures the root logger to INFO when imported
+            from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+        finally:
+            root.setLevel(level)
+            root.handlers[:] = handlers
 
         for value in model.graph.initializers.values():  # the quantizer reads weights from the proto itself
             if isinstance(value.const_value, ir.ExternalTensor):
