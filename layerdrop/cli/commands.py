@@ -83,7 +83,8 @@ def cmd_harp(args) -> int:
     result = api.harp(args.model, args.output, alphas=args.alpha, top=args.top, search=args.search,
                       search_text=args.search_text, samples=args.samples, seq_len=args.seq_len,
                       sampling=sampling(args), batch_size=args.batch_size, force=args.force,
-                      progress=_progress(args), fuse=args.fuse, quantize=args.quantize, **_runtime(args))
+                      progress=_progress(args), fuse=args.fuse, quantize=args.quantize, keep_float=args.keep_float,
+                      **_runtime(args))
     print_fusions(result["fusions"], args.fuse)
     alphas = ", ".join(f"{layer}={alpha:g}" for layer, alpha in sorted(result["alphas"].items(), reverse=True))
     searched = f" (searched in {result['search_seconds']:.0f} s)" if result["trials"] else ""
@@ -183,7 +184,8 @@ def cmd_plan(args) -> int:
                       samples=args.samples, search_samples=args.search_samples, eval_samples=args.eval_samples,
                       fit_samples=args.fit_samples, seq_len=args.seq_len, sampling=sampling(args),
                       batch_size=args.batch_size, extra=args.extra, moves=args.moves, shift=args.shift,
-                      force=args.force, progress=_progress(args), quantize=args.quantize, **_runtime(args))
+                      force=args.force, progress=_progress(args), quantize=args.quantize,
+                      keep_float=args.keep_float, **_runtime(args))
     print(plan_table(result))
     print(f"pick: {result['pick']['method']}; search took {result['search_seconds']:.0f} s; written to {args.output}")
     if args.json:

@@ -207,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _quantize_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantize", choices=("int4",), help="write int4 weights (MatMulNBits, ONNX Runtime's "
                         "quantizer) after the rewrite")
+    parser.add_argument("--keep-float", action="store_true", help="on an int4 graph, keep the matrices a rewrite "
+                        "computes (V·O, fits) in float instead of writing them back as MatMulNBits")
 
 
 def _seq_list(text: str) -> tuple[int, ...]:
