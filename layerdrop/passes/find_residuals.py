@@ -311,3 +311,17 @@ def annotated_regions(model: ir.Model) -> list[ResidualRegion]:
     if not regions:
         raise LayerdropError("the model has no residual-region annotations; run FindResidualsPass on it first")
     return regions
+
+
+def attention_regions(model: ir.Model, layers, what: str) -> dict[int, ResidualRegion]:
+    """The annotated attention regions of `layers` (layer -> region), for a rewrite that will `what` them.
+
+    Raises:
+        LayerdropError: a layer has no attention region (or no annotations at all).
+    """
+    regions = {r.layer: r for r in annotated_regions(model) if r.kind == "attn"}
+    missing = sorted(set(layers) - set(regions))
+    if missing:
+        raise LayerdropError(f"no attention to {what} in layer(s) {missing}: the model's attention layers are "
+                             f"{sorted(regions)}")
+    return regions

@@ -14,7 +14,7 @@ import onnx_ir as ir
 
 from layerdrop.errors import LayerdropError
 from layerdrop.formats import REGION_KEY
-from layerdrop.passes.find_residuals import annotated_regions
+from layerdrop.passes.find_residuals import attention_regions
 from layerdrop.passes.harp_bypass import initializer
 from layerdrop.passes.metadata import record_removals, removal_record
 
@@ -35,11 +35,7 @@ class FitAttentionPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        regions = {r.layer: r for r in annotated_regions(model) if r.kind == "attn"}
-        missing = sorted(set(self.maps) - set(regions))
-        if missing:
-            raise LayerdropError(f"no attention to replace in layer(s) {missing}: the model's attention layers are "
-                                 f"{sorted(regions)}")
+        regions = attention_regions(model, self.maps, "replace")
         entries = []
         for layer in sorted(self.maps):
             region, (weight, bias) = regions[layer], self.maps[layer]

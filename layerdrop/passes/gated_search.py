@@ -11,8 +11,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from layerdrop.errors import LayerdropError
-from layerdrop.passes.find_residuals import annotated_regions
+from layerdrop.passes.find_residuals import attention_regions
 from layerdrop.passes.harp_bypass import bypass_attention, head_layout
 
 ALPHA_INPUT = "layerdrop_alpha"
@@ -33,10 +32,7 @@ class GatedBypassPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        regions = {r.layer: r for r in annotated_regions(model) if r.kind == "attn"}
-        missing = sorted(set(self.layers) - set(regions))
-        if missing:
-            raise LayerdropError(f"no attention region in layer(s) {missing} to search")
+        regions = attention_regions(model, self.layers, "search")
         layout = head_layout(model)
         for layer in self.layers:
             keep = ir.Value(name=f"{KEEP_INPUT}_{layer}", shape=ir.Shape([]), type=ir.TensorType(ir.DataType.BOOL))

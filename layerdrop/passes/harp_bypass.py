@@ -25,7 +25,7 @@ import onnx_ir as ir
 from layerdrop.errors import LayerdropError
 from layerdrop.formats import REGION_KEY
 from layerdrop.passes.drop_branches import bypass
-from layerdrop.passes.find_residuals import PROJECTION_OPS, ResidualRegion, annotated_regions
+from layerdrop.passes.find_residuals import PROJECTION_OPS, ResidualRegion, attention_regions
 from layerdrop.passes.matmul_nbits import dequantized_weight
 from layerdrop.passes.metadata import head_layout_metadata, record_removals, removal_record
 
@@ -315,11 +315,7 @@ class HarpBypassPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        regions = {r.layer: r for r in annotated_regions(model) if r.kind == "attn"}
-        missing = sorted(set(self.alphas) - set(regions))
-        if missing:
-            raise LayerdropError(f"no attention to bypass in layer(s) {missing}: the model's attention layers are "
-                                 f"{sorted(regions)}")
+        regions = attention_regions(model, self.alphas, "bypass")
         layout = head_layout(model)
         entries, removed = [], []
         for layer in sorted(self.alphas, reverse=True):
