@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from layerdrop.windows import bundled_text
 from tests.torch_reference import FAMILIES, VOCAB, tiny_model
@@ -61,6 +61,19 @@ def exported(tmp_path_factory, hf_folder):
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def bos_tokenizer_file(tmp_path_factory, tiny_tokenizer_file) -> Path:
+    """The tiny test tokenizer whose post-processor puts a BOS before every text (its last vocabulary entry: the
+    tiny models have no room for one more token)."""
+    tokenizer = Tokenizer.from_file(str(tiny_tokenizer_file))
+    bos = VOCAB - 1
+    tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A <bos> $B",
+                                                             special_tokens=[("<bos>", bos)])
+    path = tmp_path_factory.mktemp("bos") / "tokenizer.json"
+    tokenizer.save(str(path))
+    return path
 
 
 @pytest.fixture

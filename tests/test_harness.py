@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -190,3 +191,19 @@ def test_cli_eval_unknown_task_is_one_line(exported, tmp_path, capsys):
     code = main(["eval", str(exported("llama", True)), "--tasks", "no_such_task_xyz"])
     err = capsys.readouterr().err
     assert code == 2 and "no_such_task_xyz" in err and "Traceback" not in err and err.count("\n") == 1, err
+
+
+def test_adapter_follows_a_bos_tokenizer_like_lm_evals_hf(exported, hf_folder, tasks, bos_tokenizer_file, tmp_path):
+    """With a tokenizer that puts a BOS first (Gemma's kind), the adapter encodes and conditions as `hf` does."""
+    from layerdrop.runtime.harness import LayerdropLM
+    from tests.torch_reference import VOCAB
+
+    folder = tmp_path / "bos"
+    shutil.copytree(exported("llama", True), folder)
+    shutil.copy(bos_tokenizer_file, folder / "tokenizer.json")
+    ours_model = LayerdropLM(path=str(folder), batch_size=3)
+    assert ours_model.tok_encode("Anne")[0] == VOCAB - 1 and ours_model.prefix_token_id == VOCAB - 1
+    reference_model = _hf_model(_hf_reference(hf_folder), folder)
+    reference_model.tokenizer.bos_token = reference_model.tokenizer.convert_ids_to_tokens(VOCAB - 1)
+    assert reference_model.tok_encode("Anne") == ours_model.tok_encode("Anne")
+    _compare(_evaluate(ours_model, tasks), _evaluate(reference_model, tasks))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, decoders, models, processors, trainers
+from tokenizers import Tokenizer, decoders, models, trainers
 
 from layerdrop import api, windows
 from layerdrop.cli import main
@@ -43,19 +43,6 @@ def merging_tokenizer_file(tmp_path_factory) -> Path:
     merged = [t for t in tokenizer.get_vocab() if (" " in t or "\n" in t) and len(t.strip()) > 0]
     assert merged, "the test tokenizer must merge across spaces or line breaks"
     path = tmp_path_factory.mktemp("merging") / "tokenizer.json"
-    tokenizer.save(str(path))
-    return path
-
-
-@pytest.fixture(scope="module")
-def bos_tokenizer_file(tmp_path_factory, tiny_tokenizer_file) -> Path:
-    """The tiny test tokenizer whose post-processor puts a BOS before every text (its last vocabulary entry: the
-    tiny models have no room for one more token)."""
-    tokenizer = Tokenizer.from_file(str(tiny_tokenizer_file))
-    bos = VOCAB - 1
-    tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A <bos> $B",
-                                                             special_tokens=[("<bos>", bos)])
-    path = tmp_path_factory.mktemp("bos") / "tokenizer.json"
     tokenizer.save(str(path))
     return path
 
