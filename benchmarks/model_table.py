@@ -7,7 +7,7 @@ Every row runs the `layerdrop` command a user would (each one's line is printed 
 attention layers for every method: a quarter of them (the pipeline's default). Texts: the bundled calibration
 text (*Persuasion*) for scores and searches, the bundled evaluation text (*Northanger Abbey*) for perplexity;
 spread windows, seed 0; a BOS first where the tokenizer adds one (Gemma). `--speed-only` reruns only the benches
-(for a quiet machine). Results: OUT/table.json and a Markdown table on stdout.
+(for a quiet machine); `--resume` skips the steps whose JSON is already in OUT. Results: OUT/table.json and a Markdown table on stdout.
 """
 
 from __future__ import annotations
@@ -34,22 +34,32 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--threads", default="2")
     parser.add_argument("--speed-only", action="store_true")
+    parser.add_argument("--resume", action="store_true", help="skip the steps whose JSON is already in --out")
     args = parser.parse_args()
     out, threads = args.out, ["--threads", args.threads, "--no-progress"]
     out.mkdir(parents=True, exist_ok=True)
-    seconds: dict[str, float] = {}
     pipeline, export, scored = out / "pipeline", out / "pipeline" / "export", out / "pipeline" / "scored"
-    if not args.speed_only:
-        seconds["pipeline"] = run("pipeline", args.model, "-o", str(pipeline), "--force", *threads)
+    old = json.loads((out / "seconds.json").read_text()) if args.resume and (out / "seconds.json").exists() else {}
+    seconds: dict[str, float] = {}
+
+    def step(name: str, result: Path, *command: str) -> None:
+        if args.speed_only or (args.resume and result.exists()):
+            if name in old:
+                seconds[name] = old[name]
+            return
+        seconds[name] = run(*command)
+        (out / "seconds.json").write_text(json.dumps({**old, **seconds}, indent=2) + "\n")
+
+    step("pipeline", pipeline / "report.json", "pipeline", args.model, "-o", str(pipeline), "--force", *threads)
     layers = json.loads((pipeline / "report.json").read_text())["method"]  # "attn-N"
     count = layers.split("-")[-1]
-    if not args.speed_only:
-        seconds["harp"] = run("harp", str(scored), "-o", str(out / "harp"), "--top", count, "--search", "--force",
-                              "--json", str(out / "harp.json"), *threads)
-        seconds["plan"] = run("plan", str(scored), "-o", str(out / "plan"), "--budget", f"attn={count}", "--force",
-                              "--json", str(out / "plan.json"), *threads)
-        for name in ("harp", "plan"):
-            run("eval", str(out / name), "--json", str(out / f"eval-{name}.json"), *threads)
+    step("harp", out / "harp.json", "harp", str(scored), "-o", str(out / "harp"), "--top", count, "--search",
+         "--force", "--json", str(out / "harp.json"), *threads)
+    step("plan", out / "plan.json", "plan", str(scored), "-o", str(out / "plan"), "--budget", f"attn={count}",
+         "--force", "--json", str(out / "plan.json"), *threads)
+    for name in ("harp", "plan"):
+        step(f"eval-{name}", out / f"eval-{name}.json", "eval", str(out / name), "--json",
+             str(out / f"eval-{name}.json"), *threads)
     for name, folder in (("drop", pipeline / "pruned"), ("harp", out / "harp"), ("plan", out / "plan")):
         run("bench", str(export), str(folder), "--seq", "256,1024", "--json", str(out / f"bench-{name}.json"),
             *threads)

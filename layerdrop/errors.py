@@ -19,3 +19,7 @@ class OverBudget(LayerdropError):
     """A model is over a budget given to `layerdrop check`: exit 1."""
 
     exit_code = 1
+
+
+class TooFewTokens(LayerdropError):
+    """A fit was asked of fewer calibration tokens than it has unknowns per output: exit 2."""

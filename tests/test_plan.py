@@ -159,3 +159,27 @@ def test_a_blocks_budget_compares_shortgpt_and_replaceme_and_writes_the_pick(exp
 def test_moves_that_cannot_meet_the_budget_are_refused(exported, tmp_path, capsys, args):
     code = main(["plan", str(exported("llama", True)), "-o", str(tmp_path / "p"), *args])
     assert code == 2 and "cannot meet this budget" in capsys.readouterr().err
+
+
+def test_default_moves_leave_out_fits_the_windows_cannot_support(exported, tmp_path, capsys):
+    """Too few calibration tokens for a fit (hidden size + 1): by default the planner says so and plans without
+    fit rows; asked for by name, it refuses with the same reason."""
+    folder = exported("llama", True)
+    few = ["--samples", "1", "--search-samples", "1", "--eval-samples", "1", "--seq-len", "8", "--no-progress"]
+    report = tmp_path / "plan.json"
+    code = main(["plan", str(folder), "-o", str(tmp_path / "model"), "--budget", "attn=1", "--extra", "1",
+                 "--json", str(report), *few])
+    assert code == 0
+    result = json.loads(report.read_text())
+    assert "fit" not in result["moves"] and not any(row["fits"] for row in result["methods"])
+    assert len(result["skipped"]) == 1 and "a fit needs at least" in result["skipped"][0]
+    assert "note: fit rows left out" in capsys.readouterr().err
+    code = main(["plan", str(folder), "-o", str(tmp_path / "fit"), "--budget", "attn=1", "--moves", "fit", *few])
+    assert code == 2 and "a fit needs at least" in capsys.readouterr().err
+    assert not (tmp_path / "fit").exists()
+    code = main(["plan", str(folder), "-o", str(tmp_path / "blocks"), "--budget", "blocks=1", "--json",
+                 str(report), *few])
+    assert code == 0
+    result = json.loads(report.read_text())
+    assert [row["method"] for row in result["methods"]] == ["ShortGPT-style block drop of the lowest block scores"]
+    assert "ReplaceMe row left out" in result["skipped"][0]

@@ -3,6 +3,7 @@ same windows (see `search.planner`)."""
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,7 @@ from layerdrop.api.common import (
     windows_for,
 )
 from layerdrop.api.score import score
-from layerdrop.errors import LayerdropError
+from layerdrop.errors import LayerdropError, TooFewTokens
 from layerdrop.formats import PLAN_KEY
 from layerdrop.passes.attach_scores import read_scores
 from layerdrop.passes.cleanup import run_passes
@@ -112,7 +113,8 @@ def plan(
     Returns:
         {"budget", "attention_layers", "kv_fraction_kept", "moves", "pick": {...}, "methods": [{"method",
          "alphas", "fits", "shift", "moves", "search_ppl", "eval_ppl"}], "baseline": {...}, "search_seconds",
-         "search_text", "eval_text"}
+         "search_text", "eval_text", "fit_text", "skipped": [why a default move made no row, e.g. too few
+         tokens for a fit]}
 
     Raises:
         LayerdropError: a bad budget, move word, model or text.
@@ -138,9 +140,13 @@ def plan(
         block_scores = {r["layer"]: r["score"] for r in rows if r["kind"] == "block"}
         fit_windows = windows_for(folder.path, calib, role="calib", samples=min(samples, fit_samples),
                                   seq_len=seq_len, sampling=sampling)
-        candidates = _block_methods(model, folder.path, block_scores, count, fit_windows, search.ids, search_args)
+        skipped = []
+        candidates = _block_methods(model, folder.path, block_scores, count, fit_windows, search.ids, search_args,
+                                    skipped)
         return _finish(model, folder, out_dir, force, budget, count, len(attention), candidates, allowed, search,
-                       held_out, started, search_args, fit_windows, [], (quantize, keep_float))
+                       held_out, started, search_args, fit_windows if skipped == [] else None, [],
+                       (quantize, keep_float), skipped)
+    skipped: list[str] = []  # default moves that these windows cannot support, with the reason
     candidates = _paper_methods(model, folder.path, scores, attention, count, calib_windows, search.ids, progress,
                                 search_args)
     grid = tuple(a for a in ALPHA_GRID if (a == 0 and "drop" in allowed) or (a > 0 and "bypass" in allowed))
@@ -168,16 +174,24 @@ def plan(
         for name, layers in layer_sets.items():
             if any(c.fits is not None and sorted(c.fits) == layers for c in candidates):
                 continue  # the same layers were fitted for an earlier row
-            fit = fit_attention(model, folder.path, fit_windows, layers, validation=search.ids, **search_args)
+            try:
+                fit = fit_attention(model, folder.path, fit_windows, layers, validation=search.ids, **search_args)
+            except TooFewTokens as exc:
+                if moves is not None:  # asked for by name: the user must hear why it cannot be done
+                    raise
+                skipped.append(_skip(f"fit rows left out: {exc}"))
+                allowed -= {"fit"}
+                break
             candidates.append(Candidate(name, fits=fit.maps, ridges=fit.ridges, moves=frozenset({"fit"})))
     return _finish(model, folder, out_dir, force, budget, count, len(attention), candidates, allowed, search,
                    held_out, started, search_args, fit_windows if "fit" in allowed else None,
-                   planned.log if grid else [], (quantize, keep_float))
+                   planned.log if grid else [], (quantize, keep_float), skipped)
 
 
 def _finish(model: ir.Model, folder, out_dir: Path, force: bool, budget: str, count: int, layers: int,
             candidates: list[Candidate], allowed: frozenset, search: Windows, held_out: Windows, started: float,
-            search_args: dict, fit_windows: Windows | None, log: list[dict], output: tuple) -> dict:
+            search_args: dict, fit_windows: Windows | None, log: list[dict], output: tuple,
+            skipped: list[str]) -> dict:
     """Measure every candidate, pick the best allowed one on the search windows, write it; the plan's report."""
     table = [_measured(model, folder.path, candidate, search, held_out, search_args) for candidate in candidates]
     eligible = [row for row, c in zip(table, candidates) if c.moves <= allowed]
@@ -191,7 +205,8 @@ def _finish(model: ir.Model, folder, out_dir: Path, force: bool, budget: str, co
               "baseline": {"search_ppl": perplexity(baseline, search.ids).perplexity,
                            "eval_ppl": perplexity(baseline, held_out.ids).perplexity},
               "methods": table, "pick": pick_row, "search_seconds": seconds, "search_text": search.source,
-              "eval_text": held_out.source, "fit_text": fit_windows.source if fit_windows is not None else None}
+              "eval_text": held_out.source, "fit_text": fit_windows.source if fit_windows is not None else None,
+              "skipped": skipped}
     write_json(model.metadata_props, PLAN_KEY, result)
     result["planner_log"] = log
     chosen = _rewritten(model, pick)
@@ -272,12 +287,22 @@ def _measured(model: ir.Model, folder: Path, candidate: Candidate, search: Windo
 
 
 def _block_methods(model: ir.Model, folder: Path, block_scores: dict[int, float], count: int, fit_windows: Windows,
-                   search_ids, search_args: dict) -> list[Candidate]:
+                   search_ids, search_args: dict, skipped: list[str]) -> list[Candidate]:
     """Block budgets: ShortGPT's drop of the lowest-scored blocks, and ReplaceMe's fitted run (its selection)."""
     moves = frozenset({"blocks"})
     rows = [{"layer": layer, "kind": "block", "score": s} for layer, s in block_scores.items()]
     lowest = sorted(layer for _, layer in select_lowest(rows, ("block",), count))
-    run = replaceme(model, folder, fit_windows, count, validation=search_ids, **search_args)
-    return [Candidate("ShortGPT-style block drop of the lowest block scores", blocks=lowest, moves=moves),
-            Candidate("ReplaceMe: its selection and fitted transform", run=run, ridges={run.start: run.ridge},
-                      moves=moves)]
+    rows = [Candidate("ShortGPT-style block drop of the lowest block scores", blocks=lowest, moves=moves)]
+    try:
+        run = replaceme(model, folder, fit_windows, count, validation=search_ids, **search_args)
+    except TooFewTokens as exc:
+        skipped.append(_skip(f"ReplaceMe row left out: {exc}"))
+        return rows
+    return rows + [Candidate("ReplaceMe: its selection and fitted transform", run=run, ridges={run.start: run.ridge},
+                             moves=moves)]
+
+
+def _skip(reason: str) -> str:
+    """Say on stderr that a default row was left out, and why; the reason, for the report."""
+    print(f"layerdrop: note: {reason}", file=sys.stderr)
+    return reason

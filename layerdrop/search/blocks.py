@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
-from layerdrop.errors import LayerdropError
+from layerdrop.errors import LayerdropError, TooFewTokens
 from layerdrop.model_folder import copy_model
 from layerdrop.passes.cleanup import cleanup_passes, run_passes
 from layerdrop.passes.find_residuals import FindResidualsPass, annotated_regions
@@ -130,7 +130,7 @@ def replaceme(model: ir.Model, folder: Path, windows: Windows, count: int, *, va
         start, distances = replaceme_start(model, folder, windows, count, **session_args)
     gram, cross, tokens = transform_statistics(model, folder, windows, start, count, **session_args)
     if tokens < len(gram):
-        raise LayerdropError(f"a fit needs at least {len(gram)} calibration tokens (the hidden size) and the windows "
+        raise TooFewTokens(f"a fit needs at least {len(gram)} calibration tokens (the hidden size) and the windows "
                              f"hold {tokens}; use more --samples or a longer --seq-len")
     candidates = {ridge: solve_transform(gram, cross, ridge) for ridge in ridges}
     trials = []

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
-from layerdrop.errors import LayerdropError
+from layerdrop.errors import LayerdropError, TooFewTokens
 from layerdrop.model_folder import copy_model
 from layerdrop.passes.cleanup import cleanup_passes, run_passes
 from layerdrop.passes.find_residuals import FindResidualsPass, annotated_regions
@@ -94,7 +94,7 @@ def fit_attention(model: ir.Model, folder: Path, windows: Windows, layers: list[
         current = _with_maps(model, result.maps)
         gram, cross, tokens = layer_statistics(current, folder, windows, layer, **session_args)
         if tokens < len(gram):
-            raise LayerdropError(f"a fit needs at least {len(gram)} calibration tokens (hidden size + 1) and the "
+            raise TooFewTokens(f"a fit needs at least {len(gram)} calibration tokens (hidden size + 1) and the "
                                  f"windows hold {tokens}; use more --samples or a longer --seq-len")
         candidates = {ridge: solve_ridge(gram, cross, ridge) for ridge in ridges}
         if validation is None:
