@@ -91,3 +91,39 @@ def test_pipeline_end_to_end_on_a_tiny_model_and_resume(hf_folder, tmp_path, cap
     assert main([*args, "--resume"]) == 0
     err = capsys.readouterr().err
     assert err.count("up to date, skipped") == 3
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_prompt_prefilled_in_chunks_through_the_cache_decodes_like_torch(exported, family, rng):
+    """Chunks of 5 tokens (shorter than Gemma-3's sliding window of 6, and crossing it) give PyTorch's tokens."""
+    from layerdrop.runtime.generate import greedy_batch
+    from tests.helpers import session
+    from tests.torch_reference import VOCAB, greedy
+
+    prompt = rng.randint(0, VOCAB, size=(1, 23))
+    tokens, _ = greedy_batch(session(exported(family, True)), prompt, np.ones_like(prompt), 6, prefill_chunk=5)
+    assert tokens[0] == greedy(tiny_model(family), prompt, 6)[0]
+
+
+def test_generation_memory_shows_the_kv_cache_that_a_drop_removes(exported, tmp_path, capsys):
+    """Generating with a large cache, the pruned model's peak memory is lower by about the KV bytes it no longer
+    holds (its cache, and the step's copy of it), where a single prefill shows no difference."""
+    base = exported("llama", True)
+    api.drop(base, tmp_path / "p", targets=[("attn", 1), ("attn", 2)])
+    batch, context, new = 128, 500, 4
+    assert main(["bench", str(base), str(tmp_path / "p"), "--seq", "16", "--runs", "1", "--decode", "2",
+                 "--generation-memory", f"{batch},{context},{new}", "--json", str(tmp_path / "b.json")]) == 0
+    result = json.loads((tmp_path / "b.json").read_text())
+    memory = result["generation_memory"]
+    assert (memory["batch"], memory["context"], memory["new_tokens"]) == (batch, context, new)
+    saved = (result["kv_bytes_per_token"]["base"] - result["kv_bytes_per_token"]["pruned"]) * batch * (context + new)
+    assert saved > 0 and memory["base"] - memory["pruned"] > 0.5 * saved
+    assert "peak memory, generating 4 tokens after 500 x 128 (MiB)" in capsys.readouterr().out
+
+
+def test_generation_memory_is_refused_beyond_the_context(exported, tmp_path, capsys):
+    base = exported("llama", True)
+    code = main(["bench", str(base), str(base), "--generation-memory", "1,100000,4"])
+    assert code == 2 and "the model's context is" in capsys.readouterr().err
+    code = main(["bench", str(base), str(base), "--generation-memory", "8,2048"])
+    assert code == 2 and "give BATCH,CONTEXT,NEW_TOKENS" in capsys.readouterr().err

@@ -5,22 +5,33 @@ from __future__ import annotations
 from pathlib import Path
 
 from layerdrop import model_folder
+from layerdrop.errors import LayerdropError
 from layerdrop.passes.metadata import kv_bytes_per_token
 from layerdrop.runtime.bench import compare
 
 
 def bench(base: Path, pruned: Path, *, seqs: tuple[int, ...] | None = None, batch: int = 1, runs: int = 5,
-          decode_tokens: int = 32, provider: str = "cpu", threads: int | None = None) -> dict:
+          decode_tokens: int = 32, provider: str = "cpu", threads: int | None = None,
+          generation: tuple[int, int, int] | None = None) -> dict:
     """Prefill latency, decode speed, the profile-based ideal, memory, KV bytes per token and file bytes of two
-    folders (see `runtime.bench.compare`); default lengths 256,1024 on CPU and 512..4096 on CUDA.
+    folders (see `runtime.bench.compare`); default lengths 256,1024 on CPU and 512..4096 on CUDA. `generation`
+    (batch, context, new tokens) adds the peak memory of generating with a cache that large.
 
     Raises:
-        LayerdropError: either folder is not a readable model.
+        LayerdropError: either folder is not a readable model, or the generation run is longer than its context.
     """
     graphs = [model_folder.load(folder)[1] for folder in (base, pruned)]  # both are checked before any timing
+    if generation is not None:
+        limit = model_folder.config(base).get("max_position_embeddings")
+        if limit and generation[1] + generation[2] > limit:
+            raise LayerdropError(f"--generation-memory asks for {generation[1]} + {generation[2]} tokens and the "
+                                 f"model's context is {limit}; use a shorter context")
+        if not all(kv_bytes_per_token(graph) for graph in graphs):
+            raise LayerdropError("--generation-memory measures the KV cache; both models must be exported with "
+                                 "one (layerdrop export without --no-kv-cache)")
     seqs = seqs or ((512, 1024, 2048, 4096) if provider == "cuda" else (256, 1024))
     result = compare(base, pruned, seqs=seqs, batch=batch, runs=runs, decode_tokens=decode_tokens,
-                     provider=provider, threads=threads)
+                     provider=provider, threads=threads, generation=generation)
     kv = [kv_bytes_per_token(graph) for graph in graphs]
     result["kv_bytes_per_token"] = {"base": kv[0], "pruned": kv[1]}
     return result

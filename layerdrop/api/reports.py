@@ -28,6 +28,11 @@ def side_by_side(bench: dict, method: str, quality: list[dict] | None = None) ->
     if memory.get("base") and memory.get("pruned"):
         rows.append(("peak memory (MiB)", f"{memory['base'] / 2**20:.0f}", f"{memory['pruned'] / 2**20:.0f}",
                      f"{memory['pruned'] / memory['base']:.3f}"))
+    generation = bench.get("generation_memory", {})
+    if generation.get("base") and generation.get("pruned"):
+        rows.append((f"peak memory, generating {generation['new_tokens']} tokens after {generation['context']} "
+                     f"x {generation['batch']} (MiB)", f"{generation['base'] / 2**20:.0f}",
+                     f"{generation['pruned'] / 2**20:.0f}", f"{generation['pruned'] / generation['base']:.3f}"))
     lines = [f"| {bench['machine']} | base | {method} | ratio |", "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
     return "\n".join(lines)

@@ -142,7 +142,7 @@ def cmd_bench(args) -> int:
     from layerdrop.runtime.bench import plot_prefill
 
     result = api.bench(args.base, args.pruned, seqs=args.seq, batch=args.batch, runs=args.runs,
-                       decode_tokens=args.decode, **_runtime(args))
+                       decode_tokens=args.decode, generation=args.generation_memory, **_runtime(args))
     print(side_by_side(result, "pruned"))
     if args.json:
         api.write_json(result, args.json)

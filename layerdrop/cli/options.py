@@ -92,6 +92,15 @@ def parse_count(text: str) -> int:
     return value
 
 
+def parse_generation(text: str) -> tuple[int, int, int]:
+    """'8,2048,64' -> (batch, context tokens, new tokens) for --generation-memory."""
+    parts = text.split(",")
+    if len(parts) != 3:
+        raise LayerdropError(f"bad --generation-memory {text!r}: give BATCH,CONTEXT,NEW_TOKENS, e.g. 8,2048,64")
+    batch, context, new = (parse_count(part.strip()) for part in parts)
+    return batch, context, new
+
+
 PROVIDERS = {"cpu": "cpu", "cuda": "cuda", "auto": "auto", "cpuexecutionprovider": "cpu",
              "cudaexecutionprovider": "cuda"}
 

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from layerdrop import __version__
-from layerdrop.cli.options import parse_alphas, parse_bytes, parse_count, parse_provider
+from layerdrop.cli.options import parse_alphas, parse_bytes, parse_count, parse_generation, parse_provider
 
 
 class _Parser(argparse.ArgumentParser):
@@ -137,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", "--batch", dest="batch", type=parse_count, default=1, help="sequences per run")
     p.add_argument("--runs", type=parse_count, default=5)
     p.add_argument("--decode", type=parse_count, default=32, help="tokens for the decode measurement")
+    p.add_argument("--generation-memory", type=parse_generation, metavar="BATCH,CONTEXT,NEW",
+                   help="also the peak memory of generating NEW tokens after CONTEXT for BATCH sequences, where the "
+                   "KV cache shows (e.g. 8,2048,64)")
     p.add_argument("--json", type=Path)
     p.add_argument("--plot", type=Path)
     _common(p)

@@ -21,7 +21,7 @@ import onnxruntime as ort
 
 from layerdrop.formats import is_past, is_present, past_for
 from layerdrop.runtime.feeds import is_kv_graph, prefill_feed
-from layerdrop.runtime.generate import greedy_generate
+from layerdrop.runtime.generate import greedy_batch, greedy_generate
 from layerdrop.runtime.session import make_session
 
 
@@ -202,6 +202,35 @@ def _cuda_memory_of_this_process() -> int | None:
     return None
 
 
+GENERATION_CHUNK = 256  # prompt tokens per prefill step of the generation-memory run: logits stay small
+
+
+def _measure_generation_peak(folder: str, batch: int, context: int, new_tokens: int, provider: str,
+                             threads: int | None) -> int | None:
+    """Generate in this (fresh) process with a large cache and report its peak memory (None: no KV cache)."""
+    from layerdrop.runtime.session import active_provider
+
+    session = make_session(Path(folder) / "model.onnx", provider=provider, threads=threads, arena=False)
+    if not is_kv_graph(session):
+        return None
+    ids = _ids(context, batch, session)
+    greedy_batch(session, ids, np.ones_like(ids), new_tokens, prefill_chunk=GENERATION_CHUNK)
+    if active_provider(session) == "cuda":
+        return _cuda_memory_of_this_process()
+    return peak_rss_bytes()
+
+
+def generation_memory(folder: Path, batch: int, context: int, new_tokens: int, *, provider: str = "cpu",
+                      threads: int | None = None) -> int | None:
+    """Peak memory of generating `new_tokens` after `context` tokens for `batch` sequences, in a fresh child
+    process; the prompt is prefilled `GENERATION_CHUNK` tokens at a time, so the cache, not the logits, is what
+    grows. None for a graph without KV cache."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_measure_generation_peak, (str(folder), batch, context, new_tokens, provider, threads))
+
+
 def peak_memory(folder: Path, seq: int, *, provider: str = "cpu", threads: int | None = None) -> int | None:
     """Peak memory of one prefill of `folder` at `seq` tokens, measured in a fresh child process."""
     import multiprocessing
@@ -211,8 +240,12 @@ def peak_memory(folder: Path, seq: int, *, provider: str = "cpu", threads: int |
 
 
 def compare(base: Path, pruned: Path, *, seqs: tuple[int, ...] = (256, 1024), batch: int = 1, runs: int = 5,
-            decode_tokens: int = 32, provider: str = "cpu", threads: int | None = None) -> dict:
-    """Measure two model folders side by side (see module docstring); every ratio comes from these runs."""
+            decode_tokens: int = 32, provider: str = "cpu", threads: int | None = None,
+            generation: tuple[int, int, int] | None = None) -> dict:
+    """Measure two model folders side by side (see module docstring); every ratio comes from these runs.
+
+    `generation` (batch, context, new tokens) adds the peak memory of generating with that large a cache.
+    """
     import platform
 
     from layerdrop.runtime.session import active_provider
@@ -228,7 +261,7 @@ def compare(base: Path, pruned: Path, *, seqs: tuple[int, ...] = (256, 1024), ba
         prefill.append({"seq": seq, "batch": batch, "base": base_t, "pruned": pruned_t,
                         "speedup": base_t["median_ms"] / pruned_t["median_ms"], **ideal})
     machine = f"{platform.machine()}, {os.cpu_count()} cores, {threads or 'default'} threads, {used}"
-    return {
+    result = {
         "machine": machine,
         "provider": used,
         "prefill": prefill,
@@ -238,6 +271,13 @@ def compare(base: Path, pruned: Path, *, seqs: tuple[int, ...] = (256, 1024), ba
         "peak_memory_bytes": {name: peak_memory(folder, max(seqs), provider=used, threads=threads)
                               for name, folder in (("base", base), ("pruned", pruned))},
     }
+    if generation is not None:
+        batch_size, context, new_tokens = generation
+        result["generation_memory"] = {
+            "batch": batch_size, "context": context, "new_tokens": new_tokens,
+            **{name: generation_memory(folder, batch_size, context, new_tokens, provider=used, threads=threads)
+               for name, folder in (("base", base), ("pruned", pruned))}}
+    return result
 
 
 def plot_prefill(result: dict, path: Path) -> None:

@@ -31,8 +31,12 @@ def greedy_batch(
     *,
     finished: Callable[[int, list[int]], bool] | None = None,
     keep_logits: bool = False,
+    prefill_chunk: int | None = None,
 ) -> tuple[list[list[int]], list[list[np.ndarray]]]:
     """Greedily extend a left-padded batch (`ids`, `mask` [batch, seq]); padding is excluded by the mask.
+
+    With `prefill_chunk` (a KV graph only) the prompt goes in `prefill_chunk` tokens at a time through the cache,
+    so the prefill never holds more than that many positions of logits (a long prompt at a large vocabulary).
 
     `finished(row, new_tokens)` says when a row may stop (an end token, a stop string); decoding ends when every row
     has stopped or after `max_new_tokens`. A stopped row keeps being fed (its tokens are ignored) so the batch stays
@@ -50,7 +54,10 @@ def greedy_batch(
     new: list[list[int]] = [[] for _ in range(batch)]
     chosen_logits: list[list[np.ndarray]] = [[] for _ in range(batch)]
     done = [False] * batch
-    feed = prefill_feed(session, ids, mask)
+    if kv and prefill_chunk and ids.shape[1] > prefill_chunk:
+        feed = _cache_after(session, ids, mask, prefill_chunk, output_names)
+    else:
+        feed = prefill_feed(session, ids, mask)
     for _ in range(max_new_tokens):
         outputs = dict(zip(output_names, session.run(output_names, feed)))
         last = outputs["logits"][:, -1]
@@ -93,3 +100,20 @@ def greedy_generate(
     tokens, logits = greedy_batch(session, ids, np.ones_like(ids), max_new_tokens, finished=finished,
                                   keep_logits=True)
     return tokens[0], logits[0]
+
+
+def _cache_after(session: ort.InferenceSession, ids: np.ndarray, mask: np.ndarray, chunk: int,
+                 output_names: list[str]) -> dict[str, np.ndarray]:
+    """Run the prompt but its last `chunk`-sized piece through the cache; return the feed of that last piece."""
+    input_names = {i.name for i in session.get_inputs()}
+    positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
+    feed = prefill_feed(session, ids[:, :chunk], mask[:, :chunk])
+    for start in range(chunk, ids.shape[1], chunk):
+        outputs = dict(zip(output_names, session.run(output_names, feed)))
+        end = min(start + chunk, ids.shape[1])
+        feed = {past_for(n): v for n, v in outputs.items() if is_present(n)}
+        feed["input_ids"] = ids[:, start:end]
+        feed["attention_mask"] = mask[:, :end]
+        if "position_ids" in input_names:
+            feed["position_ids"] = positions[:, start:end]
+    return feed
