@@ -193,3 +193,21 @@ def test_layerdrops_own_exports_and_their_rewrites_are_served_by_genai(exported,
         assert config["num_hidden_layers"] == layers and config["inputs"]["position_ids"] == "position_ids"
         ours, _ = greedy_generate(make_session(out / "model.onnx"), np.array([prompt]), 16)
         assert genai_greedy(out, prompt, 16) == ours
+
+
+def test_a_float16_export_and_its_drop_are_served_by_genai(hf_folder, tmp_path, rng):
+    """`--dtype float16`: onnxruntime-genai generates what a plain ORT session generates from the same fp16 graph,
+    before and after a drop; and the fp16 graph's logits are the fp32 PyTorch model's within fp16 rounding."""
+    from layerdrop.export.onnx_export import export_folder
+    from tests.helpers import ort_logits
+    from tests.torch_reference import logits, tiny_model
+
+    source = export_folder(hf_folder("llama"), tmp_path / "fp16", kv_cache=True, dtype="float16")
+    api.drop(source, tmp_path / "drop", targets=[("attn", 1)])
+    ids = rng.randint(0, VOCAB, size=(1, 12))
+    reference = logits(tiny_model("llama"), ids)
+    assert np.abs(ort_logits(source, ids).astype(np.float64) - reference).max() < 2e-2 * np.abs(reference).max()
+    prompt = [int(t) for t in rng.randint(0, VOCAB, size=8)]
+    for out in (source, tmp_path / "drop"):
+        ours, _ = greedy_generate(make_session(out / "model.onnx"), np.array([prompt]), 12)
+        assert genai_greedy(out, prompt, 12) == ours
