@@ -48,9 +48,26 @@ LINE_CAP = 1 << 16  # bytes a line may reach beyond its run before it is cut
 DOCUMENT_JOINER = "\n\n"  # between files of a folder and between JSON Lines records
 
 
+BUNDLED = {"calib": "Jane Austen, Persuasion (the default calibration and search text)",
+           "eval": "Jane Austen, Northanger Abbey (the default evaluation text)",
+           "docs": "technical writing: docstrings of Python's standard library",
+           "code": "code: Python standard-library source"}
+
+
 def bundled_text(part: str) -> Path:
-    """The bundled public-domain texts: part "calib" (Persuasion) or "eval" (Northanger Abbey)."""
+    """The bundled texts (`BUNDLED`; where they come from: layerdrop/data/SOURCE.md)."""
     return Path(str(resources.files("layerdrop") / "data" / f"{part}.txt"))
+
+
+def resolve_text(text: Path | str | None, role: str = "calib") -> Path:
+    """The file a text argument names: the role's bundled default for None, an existing path as it is, else a bundled
+    text's name (`BUNDLED`: calib, eval, docs, code); anything else is returned for `TextSource.open` to refuse."""
+    if text is None:
+        return bundled_text("eval" if role == "eval" else "calib")
+    path = Path(text)
+    if not path.exists() and str(text) in BUNDLED:
+        return bundled_text(str(text))
+    return path
 
 
 # -- the model's tokenizer ------------------------------------------------------------------------------------------
@@ -218,7 +235,8 @@ class TextSource:
         elif path.is_file():
             members = [path]
         else:
-            raise LayerdropError(f"text file {path} does not exist; pass a UTF-8 text file, a .jsonl file or a folder")
+            raise LayerdropError(f"text file {path} does not exist; pass a UTF-8 text file, a .jsonl file, a folder, "
+                                 f"or a bundled text's name ({', '.join(BUNDLED)})")
         files, offset = [], 0
         for member in members:
             size = member.stat().st_size
@@ -466,7 +484,7 @@ def draw_windows(
     if max_positions and length > max_positions:
         raise LayerdropError(f"--seq-len {seq_len} is beyond the model's context length {max_positions}"
                              + (" (with its BOS token)" if length > seq_len else ""))
-    path = Path(text) if text is not None else bundled_text("eval" if role == "eval" else "calib")
+    path = resolve_text(text, role)
     source = TextSource.open(path, sampling.text_field)
     digest = source.sha256()
     shared = role == "calib" or digest == calibration_sha256

@@ -272,3 +272,46 @@ def test_bos_windows_predict_every_text_token_and_never_the_bos(bos_model):
         loss = tiny_model("llama")(ids, labels=ids).loss.item()
     assert result["tokens"] == 3 * 24 and result["text"]["bos"] is True
     assert result["perplexity"] == pytest.approx(float(np.exp(loss)), rel=1e-4)
+
+
+# -- bundled texts of other kinds -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["docs", "code"])
+def test_bundled_texts_of_other_kinds_are_named_like_files(name, tiny_tokenizer_file, tmp_path, monkeypatch):
+    """`--calib code` reads the bundled file; a file of that name in the working folder wins over the bundled one."""
+    folder = _folder_with(tmp_path, tiny_tokenizer_file)
+    text = bundled_text(name).read_text(encoding="utf-8")
+    assert len(text) > 150_000 and "\x00" not in text
+    by_name = draw_windows(folder, name, role="calib", samples=4, seq_len=32)
+    tokenizer = Tokenizer.from_file(str(tiny_tokenizer_file))
+    assert by_name.source["file"].endswith(f"{name}.txt")
+    assert all(tokenizer.decode(row.tolist()) in text for row in by_name.ids)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / name).write_text(TEXT[:30000])
+    mine = draw_windows(folder, name, role="calib", samples=4, seq_len=32)
+    assert all(tokenizer.decode(row.tolist()) in TEXT[:30000] for row in mine.ids)
+
+
+def test_an_unknown_text_name_lists_the_bundled_ones(exported, capsys):
+    assert main(["eval", str(exported("llama", False)), "--text", "poetry", "--samples", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "text file poetry does not exist" in err and "calib, eval, docs, code" in err
+
+
+def test_the_standard_library_texts_are_rebuilt_byte_for_byte():
+    """scripts/build_bundled_texts.py with the Python the files were made with gives the shipped bytes."""
+    import hashlib
+    import importlib.util
+    import sys
+
+    if sys.version.split()[0] != "3.11.7":
+        pytest.skip("the shipped texts were made from CPython 3.11.7's standard library")
+    script = Path(__file__).resolve().parent.parent / "scripts" / "build_bundled_texts.py"
+    spec = importlib.util.spec_from_file_location("build_bundled_texts", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    source = (Path(__file__).resolve().parent.parent / "layerdrop" / "data" / "SOURCE.md").read_text()
+    for file_name, text in module.build().items():
+        shipped = bundled_text(file_name[:-4]).read_bytes()
+        assert text.encode("utf-8") == shipped
+        assert f"`{file_name}` SHA-256 `{hashlib.sha256(shipped).hexdigest()}`" in source

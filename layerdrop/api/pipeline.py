@@ -21,7 +21,7 @@ from layerdrop.api.reports import side_by_side
 from layerdrop.api.score import score
 from layerdrop.errors import LayerdropError
 from layerdrop.model_folder import write_atomically
-from layerdrop.windows import Sampling, TextSource
+from layerdrop.windows import Sampling, TextSource, resolve_text
 
 STAMP = "layerdrop-stage.json"
 
@@ -31,7 +31,7 @@ def _fingerprint(*parts) -> str:
 
 
 def _file_digest(path: Path | None) -> str | None:
-    return TextSource.open(path).sha256()[:16] if path else None
+    return TextSource.open(resolve_text(path)).sha256()[:16] if path else None
 
 
 def _stamp_of(folder: Path) -> str | None:
