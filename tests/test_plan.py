@@ -183,3 +183,16 @@ def test_default_moves_leave_out_fits_the_windows_cannot_support(exported, tmp_p
     result = json.loads(report.read_text())
     assert [row["method"] for row in result["methods"]] == ["ShortGPT-style block drop of the lowest block scores"]
     assert "ReplaceMe row left out" in result["skipped"][0]
+
+
+def test_the_plan_says_which_phase_it_is_in(exported, tmp_path, capsys):
+    """With progress on, each phase is announced on stderr with its number, in the order the planner runs them."""
+    code = main(["plan", str(exported("llama", True)), "-o", str(tmp_path / "model"), "--budget", "attn=1",
+                 "--samples", "4", "--search-samples", "1", "--eval-samples", "1", "--seq-len", "32", "--extra", "1",
+                 "--json", str(tmp_path / "plan.json")])
+    assert code == 0
+    rows = len(json.loads((tmp_path / "plan.json").read_text())["methods"])
+    phases = [line for line in capsys.readouterr().err.splitlines() if line.startswith("layerdrop plan: [")]
+    assert [p.split("]")[0] for p in phases] == [f"layerdrop plan: [{i}/4" for i in (1, 2, 3, 4)]
+    assert "papers' methods" in phases[0] and "planner's search" in phases[1] and "fitted maps" in phases[2]
+    assert f"measuring {rows} rows" in phases[3]

@@ -147,10 +147,13 @@ def plan(
                        held_out, started, search_args, fit_windows if skipped == [] else None, [],
                        (quantize, keep_float), skipped)
     skipped: list[str] = []  # default moves that these windows cannot support, with the reason
+    phase = _Phases(progress, 2 + bool(grid_of(allowed)) + ("fit" in allowed))
+    phase("the papers' methods: one-shot and iterative drop, HARP, score-selected bypass")
     candidates = _paper_methods(model, folder.path, scores, attention, count, calib_windows, search.ids, progress,
                                 search_args)
-    grid = tuple(a for a in ALPHA_GRID if (a == 0 and "drop" in allowed) or (a > 0 and "bypass" in allowed))
+    grid = grid_of(allowed)
     if grid:
+        phase(f"the planner's search over the {len(candidate_pool(scores, count, extra))} lowest-scored layers")
         means = None
         if "shift" in allowed:
             means = branch_means(model, folder.path, calib_windows, candidate_pool(scores, count, extra),
@@ -166,6 +169,7 @@ def plan(
         else:
             candidates.append(Candidate("planner", planned.alphas, moves=searched))
     if "fit" in allowed:
+        phase("fitted maps, bottom-up, each layer's ridge chosen on the search windows")
         fit_windows = windows_for(folder.path, calib, role="calib", samples=min(samples, fit_samples),
                                   seq_len=seq_len, sampling=sampling)
         layer_sets = {"attention fit on the lowest-scored layers": lowest_layers(scores, count)}
@@ -175,7 +179,8 @@ def plan(
             if any(c.fits is not None and sorted(c.fits) == layers for c in candidates):
                 continue  # the same layers were fitted for an earlier row
             try:
-                fit = fit_attention(model, folder.path, fit_windows, layers, validation=search.ids, **search_args)
+                fit = fit_attention(model, folder.path, fit_windows, layers, validation=search.ids,
+                                    progress=progress, **search_args)
             except TooFewTokens as exc:
                 if moves is not None:  # asked for by name: the user must hear why it cannot be done
                     raise
@@ -183,6 +188,7 @@ def plan(
                 allowed -= {"fit"}
                 break
             candidates.append(Candidate(name, fits=fit.maps, ridges=fit.ridges, moves=frozenset({"fit"})))
+    phase(f"measuring {len(candidates)} rows on the search and held-out windows")
     return _finish(model, folder, out_dir, force, budget, count, len(attention), candidates, allowed, search,
                    held_out, started, search_args, fit_windows if "fit" in allowed else None,
                    planned.log if grid else [], (quantize, keep_float), skipped)
@@ -300,6 +306,23 @@ def _block_methods(model: ir.Model, folder: Path, block_scores: dict[int, float]
         return rows
     return rows + [Candidate("ReplaceMe: its selection and fitted transform", run=run, ridges={run.start: run.ridge},
                              moves=moves)]
+
+
+def grid_of(allowed: frozenset) -> tuple[float, ...]:
+    """The alphas the planner may try: 0 with the drop move, the positive ones with the bypass."""
+    return tuple(a for a in ALPHA_GRID if (a == 0 and "drop" in allowed) or (a > 0 and "bypass" in allowed))
+
+
+class _Phases:
+    """'layerdrop plan: [2/4] ...' on stderr as each phase starts (with progress on)."""
+
+    def __init__(self, progress: bool, total: int) -> None:
+        self.progress, self.total, self.done = progress, total, 0
+
+    def __call__(self, text: str) -> None:
+        self.done += 1
+        if self.progress:
+            print(f"layerdrop plan: [{self.done}/{self.total}] {text}", file=sys.stderr, flush=True)
 
 
 def _skip(reason: str) -> str:

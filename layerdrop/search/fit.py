@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
+from tqdm import tqdm
 
 from layerdrop.errors import LayerdropError, TooFewTokens
 from layerdrop.model_folder import copy_model
@@ -80,7 +81,7 @@ class Fit:
 
 def fit_attention(model: ir.Model, folder: Path, windows: Windows, layers: list[int], *,
                   validation: np.ndarray | None = None, ridges: tuple[float, ...] = RIDGES, batch_size: int = 1,
-                  **session_args) -> Fit:
+                  progress: bool = False, **session_args) -> Fit:
     """Fit a linear map in place of the attention of each of `layers`, bottom-up (module docstring).
 
     With `validation` windows, each layer's ridge is the one of `ridges` whose model (this layer's map, the lower
@@ -90,7 +91,9 @@ def fit_attention(model: ir.Model, folder: Path, windows: Windows, layers: list[
         LayerdropError: the windows hold fewer text tokens than the hidden size + 1 (the fit is not well posed).
     """
     result = Fit()
+    bar = tqdm(total=len(layers), desc="fit", unit="layer", disable=not progress, leave=False)
     for layer in sorted(layers):
+        bar.set_postfix(layer=layer)
         current = _with_maps(model, result.maps)
         gram, cross, tokens = layer_statistics(current, folder, windows, layer, **session_args)
         if tokens < len(gram):
@@ -108,4 +111,8 @@ def fit_attention(model: ir.Model, folder: Path, windows: Windows, layers: list[
                 result.trials.append({"layer": layer, "ridge": ridge, "perplexity": scores[ridge]})
             chosen = min(scores, key=lambda r: (scores[r], -r))  # on a tie, the stronger ridge
         result.maps[layer], result.ridges[layer] = candidates[chosen], chosen
+        bar.update()
+        if validation is not None:
+            bar.set_postfix(layer=layer, ridge=chosen, ppl=f"{scores[chosen]:.2f}")
+    bar.close()
     return result
