@@ -41,6 +41,7 @@ def main() -> None:
     parser.add_argument("--threads", default="2")
     parser.add_argument("--speed-only", action="store_true")
     parser.add_argument("--resume", action="store_true", help="skip the steps whose JSON is already in --out")
+    parser.add_argument("--plan-args", default="", help="extra `layerdrop plan` options, e.g. '--extra 2'")
     args = parser.parse_args()
     out, threads = args.out, ["--threads", args.threads, "--no-progress"]
     out.mkdir(parents=True, exist_ok=True)
@@ -62,7 +63,7 @@ def main() -> None:
     step("harp", out / "harp.json", "harp", str(scored), "-o", str(out / "harp"), "--top", count, "--search",
          "--force", "--json", str(out / "harp.json"), *threads)
     step("plan", out / "plan.json", "plan", str(scored), "-o", str(out / "plan"), "--budget", f"attn={count}",
-         "--force", "--json", str(out / "plan.json"), *threads)
+         "--force", "--json", str(out / "plan.json"), *args.plan_args.split(), *threads)
     for name in ("harp", "plan"):
         step(f"eval-{name}", out / f"eval-{name}.json", "eval", str(out / name), "--json",
              str(out / f"eval-{name}.json"), *threads)
@@ -92,7 +93,7 @@ def main() -> None:
     generation = json.loads((out / "generation-drop.json").read_text())["generation_memory"]
     table = {"model": args.model, "count": int(count), "seconds": seconds, "quality": quality, "bench": benches,
              "harp_alphas": harp["alphas"], "plan_pick": plan["pick"], "other_kinds": other,
-             "generation_memory": generation, "plan_skipped": plan.get("skipped", [])}
+             "generation_memory": generation, "plan_skipped": plan.get("skipped", []), "plan_args": args.plan_args}
     (out / "table.json").write_text(json.dumps(table, indent=2, sort_keys=True) + "\n")
     print(markdown(table))
 
