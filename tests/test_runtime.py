@@ -127,3 +127,12 @@ def test_generation_memory_is_refused_beyond_the_context(exported, tmp_path, cap
     assert code == 2 and "the model's context is" in capsys.readouterr().err
     code = main(["bench", str(base), str(base), "--generation-memory", "8,2048"])
     assert code == 2 and "give BATCH,CONTEXT,NEW_TOKENS" in capsys.readouterr().err
+
+
+def test_a_child_measures_its_own_peak_memory_not_its_parents(exported):
+    """The memory of a small model measured from a parent that holds 1.5 GB is the child's, not the parent's."""
+    from layerdrop.runtime.bench import peak_memory
+
+    ballast = np.ones(1_500_000_000 // 8)  # resident in this process
+    measured = peak_memory(exported("llama", True), 16)
+    assert measured < 1_000_000_000 and ballast.sum() > 0

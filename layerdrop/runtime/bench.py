@@ -11,6 +11,7 @@ import json
 import os
 import resource
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -172,8 +173,21 @@ def model_bytes(folder: Path) -> int:
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident memory of this process so far (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """Peak resident memory of this process image so far.
+
+    On Linux this is VmHWM of /proc/self/status: `ru_maxrss` would not do, because it keeps the peak of the process
+    before `exec`, and a spawned child starts as a fork of its parent, so it would report the parent's resident
+    size whenever that is larger than its own peak. Elsewhere `ru_maxrss` (KiB on Linux, bytes on macOS).
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def _measure_peak(folder: str, seq: int, provider: str, threads: int | None) -> int | None:
