@@ -74,11 +74,7 @@ def greedy_batch(
         ids = np.concatenate([ids, tokens[:, None]], axis=1)
         mask = np.concatenate([mask, np.ones((batch, 1), dtype=np.int64)], axis=1)
         if kv:
-            feed = {past_for(n): v for n, v in outputs.items() if is_present(n)}
-            feed["input_ids"] = tokens[:, None]
-            feed["attention_mask"] = mask
-            if "position_ids" in input_names:
-                feed["position_ids"] = mask.sum(axis=1, keepdims=True) - 1
+            feed = _cached_feed(outputs, tokens[:, None], mask, mask.sum(axis=1, keepdims=True) - 1, input_names)
         else:
             feed = prefill_feed(session, ids, mask)
     return new, chosen_logits
@@ -111,9 +107,17 @@ def _cache_after(session: ort.InferenceSession, ids: np.ndarray, mask: np.ndarra
     for start in range(chunk, ids.shape[1], chunk):
         outputs = dict(zip(output_names, session.run(output_names, feed)))
         end = min(start + chunk, ids.shape[1])
-        feed = {past_for(n): v for n, v in outputs.items() if is_present(n)}
-        feed["input_ids"] = ids[:, start:end]
-        feed["attention_mask"] = mask[:, :end]
-        if "position_ids" in input_names:
-            feed["position_ids"] = positions[:, start:end]
+        feed = _cached_feed(outputs, ids[:, start:end], mask[:, :end], positions[:, start:end], input_names)
+    return feed
+
+
+def _cached_feed(outputs: dict[str, np.ndarray], ids: np.ndarray, mask: np.ndarray, positions: np.ndarray,
+                 input_names: set[str]) -> dict[str, np.ndarray]:
+    """The next step's inputs: the cache the last run presented, the new `ids`, the mask over past and new tokens,
+    and the new tokens' positions (where the graph takes them)."""
+    feed = {past_for(n): v for n, v in outputs.items() if is_present(n)}
+    feed["input_ids"] = ids
+    feed["attention_mask"] = mask
+    if "position_ids" in input_names:
+        feed["position_ids"] = positions
     return feed
