@@ -211,3 +211,29 @@ def test_a_float16_export_and_its_drop_are_served_by_genai(hf_folder, tmp_path, 
     for out in (source, tmp_path / "drop"):
         ours, _ = greedy_generate(make_session(out / "model.onnx"), np.array([prompt]), 12)
         assert genai_greedy(out, prompt, 12) == ours
+
+
+def test_pipeline_benches_the_builder_graph_of_the_same_model_as_a_third_column(built, tmp_path, capsys):
+    """With onnxruntime-genai installed the pipeline builds the builder's graph of the same Hugging Face folder and
+    times it in the same alternating runs as the fused base and the fused output; `bench --reference` does the same
+    for any folder."""
+    from layerdrop.cli import main
+
+    out = tmp_path / "run"
+    assert main(["pipeline", str(built.parent / "hf"), "-o", str(out), "--samples", "4", "--seq-len", "32",
+                 "--eval-samples", "2", "--seq", "16,32", "--runs", "2", "--no-progress"]) == 0
+    table = capsys.readouterr().out
+    report = json.loads((out / "report.json").read_text())
+    assert report["reference"] == str(out / "builder") and report["bench"]["reference"] == str(out / "builder")
+    ops = [n.op_type for n in onnx.load(str(out / "builder" / "model.onnx"), load_external_data=False).graph.node]
+    assert ops.count("GroupQueryAttention") == 4  # the builder's own graph, not a copy of ours
+    for entry in report["bench"]["prefill"]:
+        times = entry["reference"]["runs"]
+        assert len(times) == 2 and entry["vs_reference"] == pytest.approx(
+            entry["reference"]["median_ms"] / entry["pruned"]["median_ms"])
+    assert report["bench"]["kv_bytes_per_token"]["reference"] == report["bench"]["kv_bytes_per_token"]["base"]
+    header = table.splitlines()[0]
+    assert "| builder fp32 |" in header and "attn-1 vs builder fp32" in header
+    assert main(["bench", str(out / "bench-base"), str(out / "pruned"), "--reference", str(built), "--seq", "16",
+                 "--runs", "1", "--decode", "2", "--json", str(tmp_path / "b.json")]) == 0
+    assert json.loads((tmp_path / "b.json").read_text())["decode_tokens_per_s"]["reference"] > 0

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import onnx
 import pytest
 import torch
 
 from layerdrop import api
 from layerdrop.cli import main
+from layerdrop.export.builder import builder_available
 from tests.torch_reference import tiny_model
 
 
@@ -90,7 +92,37 @@ def test_pipeline_end_to_end_on_a_tiny_model_and_resume(hf_folder, tmp_path, cap
     assert main(args) == 2, "a non-empty OUTDIR needs --resume or --force"
     assert main([*args, "--resume"]) == 0
     err = capsys.readouterr().err
-    assert err.count("up to date, skipped") == 3
+    assert err.count("up to date, skipped") == 3 + 1 + builder_available()  # export score drop, base, builder
+    assert "the bench has no builder column" in err or not builder_available()  # head size 8: GQA refuses it
+
+
+def test_pipeline_writes_its_output_fused_and_benches_it_against_the_fused_base(hf_folder, tmp_path, rng):
+    """The default output is fused (ORT's fused norms, fewer nodes) and equals PyTorch with the dropped layer
+    removed; the bench's base is the export fused the same way; `--no-fuse` writes and benches the plain graphs."""
+    from tests.helpers import ort_logits
+    from tests.torch_reference import VOCAB, logits, replaced
+
+    out, plain = tmp_path / "fused", tmp_path / "plain"
+    args = [str(hf_folder("llama")), "--samples", "4", "--seq-len", "32", "--eval-samples", "2", "--seq", "16",
+            "--runs", "1", "--no-progress", "--no-builder"]
+    assert main(["pipeline", *args, "-o", str(out)]) == 0
+    assert main(["pipeline", *args, "-o", str(plain), "--no-fuse"]) == 0
+    fused_report = json.loads((out / "report.json").read_text())
+    plain_report = json.loads((plain / "report.json").read_text())
+    assert fused_report["bench_base"] == str(out / "bench-base") and plain_report["bench_base"] == str(plain / "export")
+    assert fused_report["reference"] is None and not (out / "builder").exists()
+    ops = {name: [n.op_type for n in onnx.load(str(folder / "model.onnx"), load_external_data=False).graph.node]
+           for name, folder in (("base", out / "bench-base"), ("pruned", out / "pruned"), ("plain", plain / "pruned"))}
+    for name in ("base", "pruned"):
+        assert "SkipSimplifiedLayerNormalization" in ops[name], name
+    assert "SkipSimplifiedLayerNormalization" not in ops["plain"] and len(ops["pruned"]) < len(ops["plain"])
+    dropped = [(e["kind"], e["layer"]) for e in api.inspect(out / "pruned")["removed"]]
+    assert dropped == [(e["kind"], e["layer"]) for e in api.inspect(plain / "pruned")["removed"]] and dropped
+    ids = rng.randint(0, VOCAB, size=(1, 12))
+    expected = logits(replaced(tiny_model("llama"), dropped), ids)
+    for folder in (out / "pruned", plain / "pruned"):
+        np.testing.assert_allclose(ort_logits(folder, ids), expected, atol=1e-4)
+    np.testing.assert_allclose(ort_logits(out / "bench-base", ids), logits(tiny_model("llama"), ids), atol=1e-4)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])

@@ -12,6 +12,7 @@ from layerdrop.api.common import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, open_model, r
 from layerdrop.api.drop import drop
 from layerdrop.api.evaluate import evaluate, generate_text, harness
 from layerdrop.api.export import export
+from layerdrop.api.fuse import fuse
 from layerdrop.api.harp import harp
 from layerdrop.api.inspect import inspect, plot_scores
 from layerdrop.api.pipeline import pipeline
@@ -19,6 +20,6 @@ from layerdrop.api.plan import plan
 from layerdrop.api.quantize import quantize
 from layerdrop.api.score import score
 
-__all__ = ["DEFAULT_SAMPLES", "DEFAULT_SEQ_LEN", "bench", "check", "drop", "evaluate", "export", "generate_text",
-           "harness", "harp", "inspect", "open_model", "pipeline", "plan", "plot_scores", "quantize", "rewrite_passes",
-           "score", "windows_for", "write_json"]
+__all__ = ["DEFAULT_SAMPLES", "DEFAULT_SEQ_LEN", "bench", "check", "drop", "evaluate", "export", "fuse",
+           "generate_text", "harness", "harp", "inspect", "open_model", "pipeline", "plan", "plot_scores", "quantize",
+           "rewrite_passes", "score", "windows_for", "write_json"]

@@ -12,26 +12,28 @@ from layerdrop.runtime.bench import compare
 
 def bench(base: Path, pruned: Path, *, seqs: tuple[int, ...] | None = None, batch: int = 1, runs: int = 5,
           decode_tokens: int = 32, provider: str = "cpu", threads: int | None = None,
-          generation: tuple[int, int, int] | None = None) -> dict:
+          generation: tuple[int, int, int] | None = None, reference: Path | None = None) -> dict:
     """Prefill latency, decode speed, the profile-based ideal, memory, KV bytes per token and file bytes of two
     folders (see `runtime.bench.compare`); default lengths 256,1024 on CPU and 512..4096 on CUDA. `generation`
-    (batch, context, new tokens) adds the peak memory of generating with a cache that large.
+    (batch, context, new tokens) adds the peak memory of generating with a cache that large. `reference` (a third
+    folder, e.g. onnxruntime-genai's builder graph of the same model) is timed in the same alternating runs.
 
     Raises:
         LayerdropError: either folder is not a readable model, or the generation run is longer than its context.
     """
-    graphs = [model_folder.load(folder)[1] for folder in (base, pruned)]  # both are checked before any timing
+    folders = [base, pruned] + ([reference] if reference is not None else [])
+    graphs = [model_folder.load(folder)[1] for folder in folders]  # all are checked before any timing
     if generation is not None:
         limit = model_folder.config(base).get("max_position_embeddings")
         if limit and generation[1] + generation[2] > limit:
             raise LayerdropError(f"--generation-memory asks for {generation[1]} + {generation[2]} tokens and the "
                                  f"model's context is {limit}; use a shorter context")
-        if not all(kv_bytes_per_token(graph) for graph in graphs):
+        if not all(kv_bytes_per_token(graph) for graph in graphs[:2]):
             raise LayerdropError("--generation-memory measures the KV cache; both models must be exported with "
                                  "one (layerdrop export without --no-kv-cache)")
     seqs = seqs or ((512, 1024, 2048, 4096) if provider == "cuda" else (256, 1024))
     result = compare(base, pruned, seqs=seqs, batch=batch, runs=runs, decode_tokens=decode_tokens,
-                     provider=provider, threads=threads, generation=generation)
-    kv = [kv_bytes_per_token(graph) for graph in graphs]
-    result["kv_bytes_per_token"] = {"base": kv[0], "pruned": kv[1]}
+                     provider=provider, threads=threads, generation=generation, reference=reference)
+    result["kv_bytes_per_token"] = {name: kv_bytes_per_token(graph)
+                                    for name, graph in zip(("base", "pruned", "reference"), graphs)}
     return result

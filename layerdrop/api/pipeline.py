@@ -12,7 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from layerdrop.api.common import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, write_json
+from layerdrop import model_folder
+from layerdrop.api.common import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, quantize_pass, save_model, write_json
 from layerdrop.api.drop import drop
 from layerdrop.api.evaluate import evaluate
 from layerdrop.api.harp import harp
@@ -75,12 +76,18 @@ def pipeline(
     resume: bool = False,
     force: bool = False,
     progress: bool = True,
-    fuse: bool = False,
+    fuse: bool = True,
+    builder: bool = True,
     quantize: str | None = None,
 ) -> dict:
     """Run the whole pipeline; returns the side-by-side report (also written to OUTDIR/report.json and .md).
 
-    With no selection, drops about a quarter of the attention layers by score.
+    With no selection, drops about a quarter of the attention layers by score. With `fuse` (the default) the
+    rewritten model is written fused for ONNX Runtime, and the bench's base is the export fused the same way
+    (OUTDIR/bench-base; quantized too with `quantize`), so the speedup is the rewrite's alone; quality is measured
+    on the unfused export. With `builder` and onnxruntime-genai installed, onnxruntime-genai's model builder graph
+    of the same Hugging Face model (OUTDIR/builder, fp32) is timed as a third column: what the user would have
+    shipped without layerdrop.
 
     Raises:
         LayerdropError: conflicting selections, or an OUTDIR that holds other files without --force/--resume.
@@ -125,6 +132,14 @@ def pipeline(
         _stage(method, pruned, key, resume and not redo,
                lambda: drop(scored, pruned, counts=counts, force=True, fuse=fuse, quantize=quantize))
 
+    bench_base = exported
+    if fuse or quantize:  # the base written the way the output is, so the bench times the rewrite alone
+        bench_base = out_dir / "bench-base"
+        key = _fingerprint("bench-base", _stamp_of(exported) or str(exported), fuse, quantize)
+        _stage("bench base", bench_base, key, resume and not redo,
+               lambda: _written_like_the_output(exported, bench_base, fuse, quantize))
+    reference = _builder_stage(source, out_dir / "builder", resume) if builder else None
+
     print("[eval] ...", file=sys.stderr)
     quality = [evaluate(folder, text=eval_text, samples=eval_samples, seq_len=seq_len, sampling=sampling,
                         batch_size=batch_size, provider=provider, threads=threads, progress=progress)
@@ -132,8 +147,63 @@ def pipeline(
     print("[bench] ...", file=sys.stderr)
     from layerdrop.api.bench import bench
 
-    speed = bench(exported, pruned, seqs=bench_seq, runs=bench_runs, provider=provider, threads=threads)
-    report = {"method": method, "base": str(exported), "pruned": str(pruned), "quality": quality, "bench": speed}
+    speed = bench(bench_base, pruned, seqs=bench_seq, runs=bench_runs, provider=provider, threads=threads,
+                  reference=reference)
+    report = {"method": method, "base": str(exported), "bench_base": str(bench_base), "fused": fuse,
+              "pruned": str(pruned), "reference": str(reference) if reference else None, "quality": quality,
+              "bench": speed}
     write_json(report, out_dir / "report.json")
-    write_atomically(out_dir / "report.md", side_by_side(speed, method, quality) + "\n")
+    write_atomically(out_dir / "report.md", side_by_side(speed, method, quality, reference=BUILDER_COLUMN) + "\n")
     return report
+
+
+BUILDER_COLUMN = "builder fp32"
+
+
+def _written_like_the_output(exported: Path, folder: Path, fuse: bool, quantize: str | None) -> None:
+    """The unpruned export fused and/or quantized by the same passes as the pipeline's output."""
+    from layerdrop.passes.cleanup import cleanup_passes, run_passes
+    from layerdrop.passes.ort_fusions import OrtFusionPass
+
+    source, model = model_folder.load(exported)
+    passes = [OrtFusionPass(), *cleanup_passes()] if fuse else []
+    model = run_passes(model, passes + ([quantize_pass(quantize)] if quantize else []))
+    save_model(model, folder, source, force=True)
+
+
+def _builder_stage(source: Path | None, folder: Path, resume: bool) -> Path | None:
+    """onnxruntime-genai's builder graph of the source's Hugging Face folder, or None (with a note on stderr)
+    where onnxruntime-genai is not installed, the source has no Hugging Face folder, or the builder fails."""
+    from layerdrop.export.builder import builder_available, run_builder
+    from layerdrop.export.default_model import resolve_source
+
+    if not builder_available():
+        return None
+    hf_folder = resolve_source(source)
+    if not (hf_folder.is_dir() and (hf_folder / "config.json").is_file()) or (hf_folder / "model.onnx").exists():
+        print(f"[builder] no Hugging Face folder for {hf_folder}; the bench has no builder column", file=sys.stderr)
+        return None
+    key = _fingerprint("builder", str(hf_folder.resolve()))
+    try:
+        _stage("builder", folder, key, resume, lambda: run_builder(hf_folder, folder))
+        _runs_a_prefill(folder)
+    except LayerdropError as error:
+        print(f"[builder] {error}; the bench has no builder column", file=sys.stderr)
+        return None
+    return folder
+
+
+def _runs_a_prefill(folder: Path) -> None:
+    """Raise LayerdropError where ONNX Runtime cannot run a short prefill of the folder's graph (the builder writes
+    graphs whose kernels refuse some shapes, e.g. GroupQueryAttention with a head size not a multiple of 16)."""
+    import numpy as np
+
+    from layerdrop.runtime.feeds import prefill_feed
+    from layerdrop.runtime.session import make_session
+
+    try:
+        session = make_session(folder / "model.onnx")
+        session.run(["logits"], prefill_feed(session, np.zeros((1, 4), dtype=np.int64)))
+    except Exception as error:  # noqa: BLE001 - ONNX Runtime's own message names the kernel that refused
+        raise LayerdropError(
+            f"ONNX Runtime cannot run the builder's graph ({str(error).splitlines()[0][:200]})") from None

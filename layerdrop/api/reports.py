@@ -3,38 +3,51 @@
 from __future__ import annotations
 
 
-def side_by_side(bench: dict, method: str, quality: list[dict] | None = None) -> str:
-    """The closing table (markdown) of `pipeline` and `bench`: base vs rewritten model, with ratios."""
+def side_by_side(bench: dict, method: str, quality: list[dict] | None = None, reference: str = "reference") -> str:
+    """The closing table (markdown) of `pipeline` and `bench`: base vs rewritten model, with ratios; where the
+    bench timed a reference graph too (`bench["reference"]`), its column and the rewritten model's ratio to it."""
+    has_ref = "reference" in bench
     rows = []
     if quality:
         base_q, pruned_q = quality
-        rows.append(("perplexity", f"{base_q['perplexity']:.2f}", f"{pruned_q['perplexity']:.2f}",
-                     f"{pruned_q['perplexity'] / base_q['perplexity']:.2f}x"))
+        rows.append(("perplexity", f"{base_q['perplexity']:.2f}", "-", f"{pruned_q['perplexity']:.2f}",
+                     f"{pruned_q['perplexity'] / base_q['perplexity']:.2f}x", "-"))
     for entry in bench["prefill"]:
+        ref = entry.get("reference", {}).get("median_ms")
         rows.append((f"prefill {entry['seq']} tokens (median ms)", f"{entry['base']['median_ms']:.0f}",
-                     f"{entry['pruned']['median_ms']:.0f}",
-                     f"{entry['speedup']:.2f}x faster (ideal {entry['ideal']:.2f}x)"))
+                     f"{ref:.0f}" if ref else "-", f"{entry['pruned']['median_ms']:.0f}",
+                     f"{entry['speedup']:.2f}x faster (ideal {entry['ideal']:.2f}x)",
+                     f"{entry['vs_reference']:.2f}x" if ref else "-"))
     decode = bench["decode_tokens_per_s"]
     if decode["base"] and decode["pruned"]:
-        rows.append(("decode tokens/s", f"{decode['base']:.1f}", f"{decode['pruned']:.1f}",
-                     f"{decode['pruned'] / decode['base']:.2f}x"))
+        ref = decode.get("reference")
+        rows.append(("decode tokens/s", f"{decode['base']:.1f}", f"{ref:.1f}" if ref else "-",
+                     f"{decode['pruned']:.1f}", f"{decode['pruned'] / decode['base']:.2f}x",
+                     f"{decode['pruned'] / ref:.2f}x" if ref else "-"))
     kv = bench["kv_bytes_per_token"]
     if kv["base"]:
-        rows.append(("KV cache bytes/token", f"{kv['base']}", f"{kv['pruned']}", f"{kv['pruned'] / kv['base']:.3f}"))
+        rows.append(("KV cache bytes/token", f"{kv['base']}", f"{kv.get('reference') or '-'}", f"{kv['pruned']}",
+                     f"{kv['pruned'] / kv['base']:.3f}", "-"))
     size = bench["model_bytes"]
-    rows.append(("model file bytes", f"{size['base']:,}", f"{size['pruned']:,}",
-                 f"{size['pruned'] / size['base']:.3f}"))
+    ref = size.get("reference")
+    rows.append(("model file bytes", f"{size['base']:,}", f"{ref:,}" if ref else "-", f"{size['pruned']:,}",
+                 f"{size['pruned'] / size['base']:.3f}", "-"))
     memory = bench.get("peak_memory_bytes", {})
     if memory.get("base") and memory.get("pruned"):
-        rows.append(("peak memory (MiB)", f"{memory['base'] / 2**20:.0f}", f"{memory['pruned'] / 2**20:.0f}",
-                     f"{memory['pruned'] / memory['base']:.3f}"))
+        rows.append(("peak memory (MiB)", f"{memory['base'] / 2**20:.0f}", "-", f"{memory['pruned'] / 2**20:.0f}",
+                     f"{memory['pruned'] / memory['base']:.3f}", "-"))
     generation = bench.get("generation_memory", {})
     if generation.get("base") and generation.get("pruned"):
         rows.append((f"peak memory, generating {generation['new_tokens']} tokens after {generation['context']} "
-                     f"x {generation['batch']} (MiB)", f"{generation['base'] / 2**20:.0f}",
-                     f"{generation['pruned'] / 2**20:.0f}", f"{generation['pruned'] / generation['base']:.3f}"))
-    lines = [f"| {bench['machine']} | base | {method} | ratio |", "|---|---|---|---|"]
-    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
+                     f"x {generation['batch']} (MiB)", f"{generation['base'] / 2**20:.0f}", "-",
+                     f"{generation['pruned'] / 2**20:.0f}", f"{generation['pruned'] / generation['base']:.3f}", "-"))
+    if has_ref:
+        lines = [f"| {bench['machine']} | base | {reference} | {method} | ratio | {method} vs {reference} |",
+                 "|---|---|---|---|---|---|"]
+        lines += ["| " + " | ".join(row) + " |" for row in rows]
+    else:
+        lines = [f"| {bench['machine']} | base | {method} | ratio |", "|---|---|---|---|"]
+        lines += [f"| {a} | {b} | {d} | {e} |" for a, b, _, d, e, _ in rows]
     return "\n".join(lines)
 
 

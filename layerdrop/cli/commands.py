@@ -142,7 +142,8 @@ def cmd_bench(args) -> int:
     from layerdrop.runtime.bench import plot_prefill
 
     result = api.bench(args.base, args.pruned, seqs=args.seq, batch=args.batch, runs=args.runs,
-                       decode_tokens=args.decode, generation=args.generation_memory, **_runtime(args))
+                       decode_tokens=args.decode, generation=args.generation_memory, reference=args.reference,
+                       **_runtime(args))
     print(side_by_side(result, "pruned"))
     if args.json:
         api.write_json(result, args.json)
@@ -164,15 +165,16 @@ def cmd_check(args) -> int:
 
 
 def cmd_pipeline(args) -> int:
+    from layerdrop.api.pipeline import BUILDER_COLUMN
     from layerdrop.api.reports import side_by_side
 
     report = api.pipeline(args.model, args.output, calib=args.calib, eval_text=args.eval, attn=args.attn,
                           joint=args.joint, harp_top=args.harp, samples=args.samples, seq_len=args.seq_len,
                           eval_samples=args.eval_samples, bench_seq=args.seq, bench_runs=args.runs,
                           sampling=sampling(args), batch_size=args.batch_size, resume=args.resume,
-                          force=args.force, progress=_progress(args), fuse=args.fuse, quantize=args.quantize,
-                          **_runtime(args))
-    print(side_by_side(report["bench"], report["method"], report["quality"]))
+                          force=args.force, progress=_progress(args), fuse=args.fuse, builder=args.builder,
+                          quantize=args.quantize, **_runtime(args))
+    print(side_by_side(report["bench"], report["method"], report["quality"], reference=BUILDER_COLUMN))
     print(f"all stages and report.json are in {args.output}")
     return 0
 
@@ -193,6 +195,15 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def cmd_fuse(args) -> int:
+    result = api.fuse(args.model, args.output, force=args.force)
+    print_fusions(result["fusions"], True)
+    print(f"nodes {result['nodes']['before']} -> {result['nodes']['after']}; written to {args.output}")
+    if args.json:
+        api.write_json(result, args.json)
+    return 0
+
+
 def cmd_quantize(args) -> int:
     result = api.quantize(args.model, args.output, block_size=args.block_size, accuracy_level=args.accuracy_level,
                           force=args.force)
@@ -206,4 +217,4 @@ def cmd_quantize(args) -> int:
 
 COMMANDS = {"export": cmd_export, "score": cmd_score, "inspect": cmd_inspect, "drop": cmd_drop, "harp": cmd_harp,
             "eval": cmd_eval, "bench": cmd_bench, "check": cmd_check, "pipeline": cmd_pipeline, "plan": cmd_plan,
-            "quantize": cmd_quantize}
+            "quantize": cmd_quantize, "fuse": cmd_fuse}

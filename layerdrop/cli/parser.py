@@ -137,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", "--batch", dest="batch", type=parse_count, default=1, help="sequences per run")
     p.add_argument("--runs", type=parse_count, default=5)
     p.add_argument("--decode", type=parse_count, default=32, help="tokens for the decode measurement")
+    p.add_argument("--reference", type=Path, help="a third folder timed alongside, e.g. onnxruntime-genai's model "
+                   "builder graph of the same model (prefill and decode)")
     p.add_argument("--generation-memory", type=parse_generation, metavar="BATCH,CONTEXT,NEW",
                    help="also the peak memory of generating NEW tokens after CONTEXT for BATCH sequences, where the "
                    "KV cache shows (e.g. 8,2048,64)")
@@ -150,6 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=parse_count, default=32, help="weights per scale (16, 32, 64, 128, ...)")
     p.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4), default=None,
                    help="MatMulNBits accuracy level (4: int8 activations on CPU)")
+    p.add_argument("--json", type=Path)
+    p.add_argument("--debug", action="store_true")
+
+    p = sub.add_parser("fuse", help="ONNX Runtime's transformer fusions on a model folder (fuse last)")
+    p.add_argument("model", type=Path)
+    _output(p)
     p.add_argument("--json", type=Path)
     p.add_argument("--debug", action="store_true")
 
@@ -177,7 +185,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", type=parse_count, default=5)
     p.add_argument("--resume", action="store_true", help="skip stages whose output matches their inputs")
     p.add_argument("--force", action="store_true", help="redo every stage in a non-empty OUTDIR")
-    p.add_argument("--fuse", action="store_true", help="apply ONNX Runtime fusions to the rewritten model")
+    p.add_argument("--no-fuse", dest="fuse", action="store_false",
+                   help="write the rewritten model unfused (default: ONNX Runtime fusions, and the bench's base "
+                   "fused the same way)")
+    p.add_argument("--fuse", dest="fuse", action="store_true", help=argparse.SUPPRESS)  # the default; kept for scripts
+    p.add_argument("--no-builder", dest="builder", action="store_false",
+                   help="no bench column for onnxruntime-genai's model builder graph (default: one when "
+                   "onnxruntime-genai is installed and the model has a Hugging Face folder)")
     _quantize_option(p)
     p.add_argument("--batch-size", type=parse_count, default=1, help="windows per ONNX Runtime run")
     _sampling_options(p)

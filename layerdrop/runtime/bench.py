@@ -255,10 +255,12 @@ def peak_memory(folder: Path, seq: int, *, provider: str = "cpu", threads: int |
 
 def compare(base: Path, pruned: Path, *, seqs: tuple[int, ...] = (256, 1024), batch: int = 1, runs: int = 5,
             decode_tokens: int = 32, provider: str = "cpu", threads: int | None = None,
-            generation: tuple[int, int, int] | None = None) -> dict:
+            generation: tuple[int, int, int] | None = None, reference: Path | None = None) -> dict:
     """Measure two model folders side by side (see module docstring); every ratio comes from these runs.
 
     `generation` (batch, context, new tokens) adds the peak memory of generating with that large a cache.
+    `reference` (another graph of the same model, e.g. onnxruntime-genai's builder graph) is timed in the same
+    alternating runs, so `vs_reference` (its time over the pruned model's) is measured under the same conditions.
     """
     import platform
 
@@ -267,24 +269,31 @@ def compare(base: Path, pruned: Path, *, seqs: tuple[int, ...] = (256, 1024), ba
     probe = make_session(Path(base) / "model.onnx", provider=provider, threads=threads)
     used = active_provider(probe)
     del probe
+    folders = [base, pruned] + ([reference] if reference is not None else [])
     prefill = []
     for seq in seqs:
-        base_t, pruned_t = prefill_latency([base, pruned], seq, batch=batch, runs=runs, provider=used,
-                                           threads=threads)
+        times = prefill_latency(folders, seq, batch=batch, runs=runs, provider=used, threads=threads)
         ideal = ideal_speedup(base, pruned, seq, provider=used, threads=threads)
-        prefill.append({"seq": seq, "batch": batch, "base": base_t, "pruned": pruned_t,
-                        "speedup": base_t["median_ms"] / pruned_t["median_ms"], **ideal})
+        entry = {"seq": seq, "batch": batch, "base": times[0], "pruned": times[1],
+                 "speedup": times[0]["median_ms"] / times[1]["median_ms"], **ideal}
+        if reference is not None:
+            entry |= {"reference": times[2], "vs_reference": times[2]["median_ms"] / times[1]["median_ms"],
+                      "base_vs_reference": times[2]["median_ms"] / times[0]["median_ms"]}
+        prefill.append(entry)
     machine = f"{platform.machine()}, {os.cpu_count()} cores, {threads or 'default'} threads, {used}"
+    names = ("base", "pruned", "reference")
     result = {
         "machine": machine,
         "provider": used,
         "prefill": prefill,
-        "decode_tokens_per_s": dict(zip(("base", "pruned"), decode_tokens_per_second(
-            [base, pruned], new_tokens=decode_tokens, provider=used, threads=threads))),
-        "model_bytes": {"base": model_bytes(base), "pruned": model_bytes(pruned)},
+        "decode_tokens_per_s": dict(zip(names, decode_tokens_per_second(
+            folders, new_tokens=decode_tokens, provider=used, threads=threads))),
+        "model_bytes": {name: model_bytes(folder) for name, folder in zip(names, folders)},
         "peak_memory_bytes": {name: peak_memory(folder, max(seqs), provider=used, threads=threads)
                               for name, folder in (("base", base), ("pruned", pruned))},
     }
+    if reference is not None:
+        result["reference"] = str(reference)
     if generation is not None:
         batch_size, context, new_tokens = generation
         result["generation_memory"] = {

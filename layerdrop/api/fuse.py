@@ -1,0 +1,27 @@
+"""`layerdrop fuse`: ONNX Runtime's transformer fusions (onnxscript's ORT rules) on any model folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from layerdrop import model_folder
+from layerdrop.api.common import fusions, save_model
+from layerdrop.passes.cleanup import cleanup_passes, run_passes
+from layerdrop.passes.ort_fusions import OrtFusionPass
+
+
+def fuse(model_path: Path, out_dir: Path, *, force: bool = False) -> dict:
+    """Write `model_path` fused for ONNX Runtime to `out_dir` (fuse last: analysis and drops belong before it).
+
+    Returns:
+        {"fusions": {name: count}, "nodes": {"before", "after"}}
+
+    Raises:
+        LayerdropError: a bad model folder or a refused output.
+    """
+    folder, model = model_folder.load(model_path)
+    model_folder.reserve_output(Path(out_dir), inputs=[folder.path], force=force)
+    before = len(model.graph)
+    model = run_passes(model, [OrtFusionPass(), *cleanup_passes()])
+    save_model(model, out_dir, folder, force=force)
+    return {"fusions": fusions(model), "nodes": {"before": before, "after": len(model.graph)}}
