@@ -237,3 +237,6 @@ def test_pipeline_benches_the_builder_graph_of_the_same_model_as_a_third_column(
     assert main(["bench", str(out / "bench-base"), str(out / "pruned"), "--reference", str(built), "--seq", "16",
                  "--runs", "1", "--decode", "2", "--json", str(tmp_path / "b.json")]) == 0
     assert json.loads((tmp_path / "b.json").read_text())["decode_tokens_per_s"]["reference"] > 0
+    prompt = [int(t) for t in np.random.RandomState(0).randint(0, VOCAB, size=8)]
+    ours, _ = greedy_generate(make_session(out / "pruned" / "model.onnx"), np.array([prompt]), 16)
+    assert genai_greedy(out / "pruned", prompt, 16) == ours  # the fused output is served too
