@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -168,3 +169,32 @@ def test_a_child_measures_its_own_peak_memory_not_its_parents(exported):
     ballast = np.ones(1_500_000_000 // 8)  # resident in this process
     measured = peak_memory(exported("llama", True), 16)
     assert measured < 1_000_000_000 and ballast.sum() > 0
+
+
+def test_the_ideal_of_fused_graphs_counts_the_removed_branches_found_by_structure(exported, tmp_path, monkeypatch):
+    """Fused nodes are renamed on every rewrite, so the ideal of a fused pair comes from the branches the pruned
+    model's record names, found in the base by structure. With every node costing the same, the share it counts is
+    the nodes the drop removed but for at most one per branch (its residual Add, or the skip-norm it was fused
+    into), fused or not; and `bench` on the fused pair reports that ideal."""
+    import onnx
+
+    import layerdrop.search.measure as measure
+    from layerdrop.search.measure import module_ideal
+
+    def nodes(folder):
+        return [n.name for n in onnx.load(str(folder / "model.onnx"), load_external_data=False).graph.node]
+
+    base = exported("llama", True)
+    targets = [("attn", 1), ("mlp", 2)]
+    api.fuse(base, tmp_path / "base-fused")
+    api.drop(base, tmp_path / "fused", targets=targets, fuse=True)
+    api.drop(base, tmp_path / "plain", targets=targets)
+    monkeypatch.setattr(measure, "node_times", lambda folder, seq, **_: dict.fromkeys(nodes(Path(folder)), 1.0))
+    for folder, pruned in ((tmp_path / "base-fused", tmp_path / "fused"), (base, tmp_path / "plain")):
+        counted = module_ideal(folder, set(targets), 16)["removed_share"] * len(nodes(folder))
+        removed = len(nodes(folder)) - len(nodes(pruned))
+        assert removed - len(targets) <= round(counted) <= removed and counted > 10 * len(targets)
+    monkeypatch.undo()
+    result = api.bench(tmp_path / "base-fused", tmp_path / "fused", seqs=(16,), runs=1, decode_tokens=2)
+    entry = result["prefill"][0]
+    assert entry["ideal_from"] == "regions" and entry["ideal"] > 1 and 0 < entry["removed_share"] < 1

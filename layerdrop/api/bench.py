@@ -6,7 +6,8 @@ from pathlib import Path
 
 from layerdrop import model_folder
 from layerdrop.errors import LayerdropError
-from layerdrop.passes.metadata import kv_bytes_per_token
+from layerdrop.formats import FUSIONS_KEY
+from layerdrop.passes.metadata import kv_bytes_per_token, removed_modules
 from layerdrop.runtime.bench import compare
 
 
@@ -32,8 +33,25 @@ def bench(base: Path, pruned: Path, *, seqs: tuple[int, ...] | None = None, batc
             raise LayerdropError("--generation-memory measures the KV cache; both models must be exported with "
                                  "one (layerdrop export without --no-kv-cache)")
     seqs = seqs or ((512, 1024, 2048, 4096) if provider == "cuda" else (256, 1024))
+    fused = any(FUSIONS_KEY in graph.metadata_props for graph in graphs[:2])
     result = compare(base, pruned, seqs=seqs, batch=batch, runs=runs, decode_tokens=decode_tokens,
-                     provider=provider, threads=threads, generation=generation, reference=reference)
+                     provider=provider, threads=threads, generation=generation, reference=reference, ideal=not fused)
     result["kv_bytes_per_token"] = {name: kv_bytes_per_token(graph)
                                     for name, graph in zip(("base", "pruned", "reference"), graphs)}
+    if fused:
+        _structural_ideal(result, base, *graphs[:2], provider=result["provider"], threads=threads)
     return result
+
+
+def _structural_ideal(result: dict, base: Path, base_graph, pruned_graph, **session_args) -> None:
+    """For fused graphs, whose fused nodes get new names on every rewrite, the ideal from the branches the pruned
+    model's removal record names, found by structure in the base graph (`search.measure.module_ideal`); None
+    where the record does not say (the base had removals of its own, or the pruned model has none)."""
+    from layerdrop.search.measure import module_ideal
+
+    removed = {(e["kind"], int(e["layer"])) for e in removed_modules(pruned_graph)}
+    usable = bool(removed) and not removed_modules(base_graph)
+    for entry in result["prefill"]:
+        ideal = module_ideal(base, removed, entry["seq"], **session_args) if usable else {
+            "ideal": None, "removed_share": None}
+        entry.update(ideal, ideal_from="regions")

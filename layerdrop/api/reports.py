@@ -16,7 +16,8 @@ def side_by_side(bench: dict, method: str, quality: list[dict] | None = None, re
         ref = entry.get("reference", {}).get("median_ms")
         rows.append((f"prefill {entry['seq']} tokens (median ms)", f"{entry['base']['median_ms']:.0f}",
                      f"{ref:.0f}" if ref else "-", f"{entry['pruned']['median_ms']:.0f}",
-                     f"{entry['speedup']:.2f}x faster (ideal {entry['ideal']:.2f}x)",
+                     f"{entry['speedup']:.2f}x faster (ideal "
+                     + (f"{entry['ideal']:.2f}x)" if entry.get("ideal") else "not known)"),
                      f"{entry['vs_reference']:.2f}x" if ref else "-"))
     decode = bench["decode_tokens_per_s"]
     if decode["base"] and decode["pruned"]:

@@ -83,18 +83,24 @@ def branch_means(model: ir.Model, folder: Path, windows: Windows, layers: list[i
 
 def branch_ideal(folder: Path, attention_layers: list[int], seq: int, **session_args) -> dict:
     """The profile-based ideal speedup of removing the attention branches of `attention_layers` from the graph in
-    `folder`: its node time over its node time minus those branches' (ONNX Runtime profile at `seq` tokens).
+    `folder` (see `module_ideal`)."""
+    return module_ideal(folder, {("attn", layer) for layer in attention_layers}, seq, **session_args)
+
+
+def module_ideal(folder: Path, modules: set[tuple[str, int]], seq: int, **session_args) -> dict:
+    """The profile-based ideal speedup of removing the branches `modules` ((kind, layer), kind attn or mlp) from
+    the graph in `folder`: its node time over its node time minus those branches' (ONNX Runtime profile at `seq`
+    tokens).
 
     Unlike a comparison of node names, this holds for fused graphs, whose fused nodes are renumbered on every
     rewrite: the branches are found in the graph itself (skip-norms split for the analysis only; their time, a
-    norm shared with the next branch, is not counted). For HARP's bypass it is an upper bound (the V·O MatMul
-    stays).
+    norm shared with the next branch, is not counted). For HARP's bypass and a fit it is an upper bound (the V·O
+    or fitted MatMul stays).
     """
     _, model = load(folder)
     run_passes(model, [UnfuseSkipNormPass(), FindResidualsPass()])
     times = node_times(folder, seq, **session_args)
-    wanted = set(attention_layers)
     removed = sum(times.get(node.name, 0.0) for region in annotated_regions(model)
-                  if region.kind == "attn" and region.layer in wanted for node in region.branch)
+                  if (region.kind, region.layer) in modules for node in region.branch)
     total = sum(times.values())
     return {"ideal": total / max(total - removed, 1e-9), "removed_share": removed / total if total else 0.0}
