@@ -84,10 +84,10 @@ def pipeline(
 
     With no selection, drops about a quarter of the attention layers by score. With `fuse` (the default) the
     rewritten model is written fused for ONNX Runtime, and the bench's base is the export fused the same way
-    (OUTDIR/bench-base; quantized too with `quantize`), so the speedup is the rewrite's alone; quality is measured
-    on the unfused export. With `builder` and onnxruntime-genai installed, onnxruntime-genai's model builder graph
-    of the same Hugging Face model (OUTDIR/builder, fp32) is timed as a third column: what the user would have
-    shipped without layerdrop.
+    (OUTDIR/bench-base; quantized too with `quantize`), so the speedup and the perplexity ratio are the rewrite's
+    alone. With `builder` and onnxruntime-genai installed, onnxruntime-genai's model builder graph of the same
+    Hugging Face model (OUTDIR/builder; fp32, or int4 with `quantize`) is timed as a third column: what the user
+    would have shipped without layerdrop.
 
     Raises:
         LayerdropError: conflicting selections, or an OUTDIR that holds other files without --force/--resume.
@@ -138,26 +138,25 @@ def pipeline(
         key = _fingerprint("bench-base", _stamp_of(exported) or str(exported), fuse, quantize)
         _stage("bench base", bench_base, key, resume and not redo,
                lambda: _written_like_the_output(exported, bench_base, fuse, quantize))
-    reference = _builder_stage(source, out_dir / "builder", resume) if builder else None
+    precision = "int4" if quantize else "fp32"
+    reference = _builder_stage(source, out_dir / "builder", resume, precision) if builder else None
 
     print("[eval] ...", file=sys.stderr)
     quality = [evaluate(folder, text=eval_text, samples=eval_samples, seq_len=seq_len, sampling=sampling,
                         batch_size=batch_size, provider=provider, threads=threads, progress=progress)
-               for folder in (exported, pruned)]
+               for folder in (bench_base, pruned)]
     print("[bench] ...", file=sys.stderr)
     from layerdrop.api.bench import bench
 
     speed = bench(bench_base, pruned, seqs=bench_seq, runs=bench_runs, provider=provider, threads=threads,
                   reference=reference)
     report = {"method": method, "base": str(exported), "bench_base": str(bench_base), "fused": fuse,
-              "pruned": str(pruned), "reference": str(reference) if reference else None, "quality": quality,
-              "bench": speed}
+              "pruned": str(pruned), "reference": str(reference) if reference else None,
+              "reference_label": f"builder {precision}", "quality": quality, "bench": speed}
     write_json(report, out_dir / "report.json")
-    write_atomically(out_dir / "report.md", side_by_side(speed, method, quality, reference=BUILDER_COLUMN) + "\n")
+    write_atomically(out_dir / "report.md",
+                     side_by_side(speed, method, quality, reference=report["reference_label"]) + "\n")
     return report
-
-
-BUILDER_COLUMN = "builder fp32"
 
 
 def _written_like_the_output(exported: Path, folder: Path, fuse: bool, quantize: str | None) -> None:
@@ -171,8 +170,9 @@ def _written_like_the_output(exported: Path, folder: Path, fuse: bool, quantize:
     save_model(model, folder, source, force=True)
 
 
-def _builder_stage(source: Path | None, folder: Path, resume: bool) -> Path | None:
-    """onnxruntime-genai's builder graph of the source's Hugging Face folder, or None (with a note on stderr)
+def _builder_stage(source: Path | None, folder: Path, resume: bool, precision: str) -> Path | None:
+    """onnxruntime-genai's builder graph (`-p precision -e cpu`, the builder's other defaults) of the source's
+    Hugging Face folder, or None (with a note on stderr)
     where onnxruntime-genai is not installed, the source has no Hugging Face folder, or the builder fails."""
     from layerdrop.export.builder import builder_available, run_builder
     from layerdrop.export.default_model import resolve_source
@@ -183,9 +183,9 @@ def _builder_stage(source: Path | None, folder: Path, resume: bool) -> Path | No
     if not (hf_folder.is_dir() and (hf_folder / "config.json").is_file()) or (hf_folder / "model.onnx").exists():
         print(f"[builder] no Hugging Face folder for {hf_folder}; the bench has no builder column", file=sys.stderr)
         return None
-    key = _fingerprint("builder", str(hf_folder.resolve()))
+    key = _fingerprint("builder", str(hf_folder.resolve()), precision)
     try:
-        _stage("builder", folder, key, resume, lambda: run_builder(hf_folder, folder))
+        _stage("builder", folder, key, resume, lambda: run_builder(hf_folder, folder, precision=precision))
         _runs_a_prefill(folder)
     except LayerdropError as error:
         print(f"[builder] {error}; the bench has no builder column", file=sys.stderr)

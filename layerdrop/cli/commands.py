@@ -165,7 +165,6 @@ def cmd_check(args) -> int:
 
 
 def cmd_pipeline(args) -> int:
-    from layerdrop.api.pipeline import BUILDER_COLUMN
     from layerdrop.api.reports import side_by_side
 
     report = api.pipeline(args.model, args.output, calib=args.calib, eval_text=args.eval, attn=args.attn,
@@ -174,7 +173,7 @@ def cmd_pipeline(args) -> int:
                           sampling=sampling(args), batch_size=args.batch_size, resume=args.resume,
                           force=args.force, progress=_progress(args), fuse=args.fuse, builder=args.builder,
                           quantize=args.quantize, **_runtime(args))
-    print(side_by_side(report["bench"], report["method"], report["quality"], reference=BUILDER_COLUMN))
+    print(side_by_side(report["bench"], report["method"], report["quality"], reference=report["reference_label"]))
     print(f"all stages and report.json are in {args.output}")
     return 0
 
