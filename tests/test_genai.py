@@ -240,3 +240,25 @@ def test_pipeline_benches_the_builder_graph_of_the_same_model_as_a_third_column(
     prompt = [int(t) for t in np.random.RandomState(0).randint(0, VOCAB, size=8)]
     ours, _ = greedy_generate(make_session(out / "pruned" / "model.onnx"), np.array([prompt]), 16)
     assert genai_greedy(out / "pruned", prompt, 16) == ours  # the fused output is served too
+
+
+def test_pipeline_with_quantize_benches_int4_against_int4_and_the_builders_int4(built, tmp_path):
+    """`--quantize int4`: the output and the bench's base are both fused and int4 (remove first, then quantize:
+    the dropped layer's four projections are gone from the MatMulNBits), and the reference is the builder's own
+    `-p int4` graph of the same model."""
+    from layerdrop.cli import main
+
+    def ops(folder):
+        return [n.op_type for n in onnx.load(str(folder / "model.onnx"), load_external_data=False).graph.node]
+
+    out = tmp_path / "run"
+    assert main(["pipeline", str(built.parent / "hf"), "-o", str(out), "--samples", "4", "--seq-len", "32",
+                 "--eval-samples", "2", "--seq", "16", "--runs", "1", "--no-progress", "--quantize", "int4"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    base, pruned, reference = ops(out / "bench-base"), ops(out / "pruned"), ops(out / "builder")
+    assert "MatMul" not in base and "MatMul" not in pruned and pruned.count("MatMulNBits") == base.count(
+        "MatMulNBits") - 4
+    assert "SkipSimplifiedLayerNormalization" in base and "SkipSimplifiedLayerNormalization" in pruned
+    assert reference.count("MatMulNBits") > 0 and reference.count("GroupQueryAttention") == 4
+    assert report["reference_label"] == "builder int4" and report["bench"]["prefill"][0]["ideal"] > 1
+    assert report["bench"]["model_bytes"]["pruned"] < report["bench"]["model_bytes"]["base"]
