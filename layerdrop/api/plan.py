@@ -296,15 +296,15 @@ def _block_methods(model: ir.Model, folder: Path, block_scores: dict[int, float]
                    search_ids, search_args: dict, skipped: list[str]) -> list[Candidate]:
     """Block budgets: ShortGPT's drop of the lowest-scored blocks, and ReplaceMe's fitted run (its selection)."""
     moves = frozenset({"blocks"})
-    rows = [{"layer": layer, "kind": "block", "score": s} for layer, s in block_scores.items()]
-    lowest = sorted(layer for _, layer in select_lowest(rows, ("block",), count))
-    rows = [Candidate("ShortGPT-style block drop of the lowest block scores", blocks=lowest, moves=moves)]
+    scores = [{"layer": layer, "kind": "block", "score": s} for layer, s in block_scores.items()]
+    lowest = sorted(layer for _, layer in select_lowest(scores, ("block",), count))
+    candidates = [Candidate("ShortGPT-style block drop of the lowest block scores", blocks=lowest, moves=moves)]
     try:
         run = replaceme(model, folder, fit_windows, count, validation=search_ids, **search_args)
     except TooFewTokens as exc:
         skipped.append(_skip(f"ReplaceMe row left out: {exc}"))
-        return rows
-    return rows + [Candidate("ReplaceMe: its selection and fitted transform", run=run, ridges={run.start: run.ridge},
+        return candidates
+    return candidates + [Candidate("ReplaceMe: its selection and fitted transform", run=run, ridges={run.start: run.ridge},
                              moves=moves)]
 
 
