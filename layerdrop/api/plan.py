@@ -304,8 +304,8 @@ def _block_methods(model: ir.Model, folder: Path, block_scores: dict[int, float]
     except TooFewTokens as exc:
         skipped.append(_skip(f"ReplaceMe row left out: {exc}"))
         return candidates
-    return candidates + [Candidate("ReplaceMe: its selection and fitted transform", run=run, ridges={run.start: run.ridge},
-                             moves=moves)]
+    return candidates + [Candidate("ReplaceMe: its selection and fitted transform", run=run,
+                                   ridges={run.start: run.ridge}, moves=moves)]
 
 
 def grid_of(allowed: frozenset) -> tuple[float, ...]:
