@@ -58,3 +58,32 @@ def test_served_by_genai_after_drop_and_quantization(exported, tmp_path, rng):
     prompt = [int(t) for t in rng.randint(0, VOCAB, size=8)]
     ours, _ = greedy_generate(make_session(tmp_path / "d" / "model.onnx"), np.array([prompt]), 12)
     assert genai_greedy(tmp_path / "d", prompt, 12) == ours
+
+
+def test_a_tied_lm_head_is_quantized_too_before_and_after_fusion(exported, tmp_path, rng):
+    """Gemma ties its LM head to the embedding: the head multiplies by the table transposed (a MatMul after a
+    Transpose; a FusedMatMul with transB once fused), which ONNX Runtime's quantizer skips. It gets its own
+    transposed constant (exactly PyTorch's logits before quantization) and becomes a MatMulNBits as well; the
+    embedding's Gather keeps the float table."""
+    from layerdrop.api.common import save_model
+    from layerdrop.model_folder import load
+    from layerdrop.passes.quantize_int4 import _untie_transposed_weights
+    from tests.torch_reference import logits, tiny_model
+
+    source = exported("gemma3", True)
+    api.fuse(source, tmp_path / "fused")
+    assert "FusedMatMul" in _ops(tmp_path / "fused")
+    ids = rng.randint(0, VOCAB, size=(1, 12))
+    expected = logits(tiny_model("gemma3"), ids)
+    for name, folder in (("plain", source), ("fused", tmp_path / "fused")):
+        loaded, model = load(folder)
+        assert _untie_transposed_weights(model) == 1
+        save_model(model, tmp_path / f"{name}-untied", loaded, force=False)
+        np.testing.assert_allclose(ort_logits(tmp_path / f"{name}-untied", ids), expected, atol=1e-4)
+        api.quantize(folder, tmp_path / f"{name}-q", block_size=16)
+        ops = _ops(tmp_path / f"{name}-q")
+        assert ops.count("MatMulNBits") == _constant_matmuls(source) + 1, name  # every projection and the head
+        assert "FusedMatMul" not in ops and "Gather" in ops
+        got = ort_logits(tmp_path / f"{name}-q", ids)
+        cosine = (got * expected).sum() / np.linalg.norm(got) / np.linalg.norm(expected)
+        assert cosine > 0.9, (name, cosine)  # int4 rounding of every matrix of a random model; a wrong head: ~0
