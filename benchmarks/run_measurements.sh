@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every figure of the README's results, in one run (x86_64, 2 cores: about three hours). Outputs in bench-out/.
+# Every figure of the README's results, in one run (x86_64, 2 cores: about four hours). Outputs in bench-out/.
 # Gemma's plan searches a smaller pool on fewer windows (--plan-args) to fit the same time as SmolLM2's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,3 +14,6 @@ python benchmarks/big_text.py --model "$out/smollm2/pipeline/export" --json "$ou
 python benchmarks/bench_scoring.py --model "$out/smollm2/pipeline/export" --hf "$cache/SmolLM2-135M-Instruct" \
     --json "$out/scoring-smollm2.json"
 python benchmarks/int4_workflow.py --out "$out/int4" --json "$out/int4.json" --export "$out/smollm2/pipeline/export"
+python benchmarks/deploy_table.py --out "$out/deploy"
+python benchmarks/op_profile.py "$out/deploy/fp32/bench-base" "$out/deploy/fp32/builder" --seq 1024 \
+    --json "$out/op-profile-fp32.json"
