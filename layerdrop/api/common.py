@@ -85,12 +85,17 @@ def rewrite_passes(drops: list[tuple[str, int]], alphas: dict[int, float], reaso
         passes += [HarpBypassPass(alphas, means), RewritePass(fold_alpha_rules())]
     passes += [PruneKvCachePass(), *cleanup_passes(), FindResidualsPass()]
     if fuse:
-        from layerdrop.passes.ort_fusions import OrtFusionPass
-
-        passes += [OrtFusionPass(), *cleanup_passes()]
+        passes += fusion_passes()
     if quantize is not None:
         passes.append(quantize_pass(quantize))
     return passes
+
+
+def fusion_passes() -> list[ir.passes.PassBase]:
+    """ONNX Runtime's transformer fusions (onnxscript's ORT rules) and a cleanup after them: the last rewrite."""
+    from layerdrop.passes.ort_fusions import OrtFusionPass
+
+    return [OrtFusionPass(), *cleanup_passes()]
 
 
 def int4_write_back(model: ir.Model, keep_float: bool) -> list[ir.passes.PassBase]:

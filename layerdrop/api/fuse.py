@@ -5,9 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from layerdrop import model_folder
-from layerdrop.api.common import fusions, save_model
-from layerdrop.passes.cleanup import cleanup_passes, run_passes
-from layerdrop.passes.ort_fusions import OrtFusionPass
+from layerdrop.api.common import fusion_passes, fusions, save_model
+from layerdrop.passes.cleanup import run_passes
 
 
 def fuse(model_path: Path, out_dir: Path, *, force: bool = False) -> dict:
@@ -22,6 +21,6 @@ def fuse(model_path: Path, out_dir: Path, *, force: bool = False) -> dict:
     folder, model = model_folder.load(model_path)
     model_folder.reserve_output(Path(out_dir), inputs=[folder.path], force=force)
     before = len(model.graph)
-    model = run_passes(model, [OrtFusionPass(), *cleanup_passes()])
+    model = run_passes(model, fusion_passes())
     save_model(model, out_dir, folder, force=force)
     return {"fusions": fusions(model), "nodes": {"before": before, "after": len(model.graph)}}

@@ -13,7 +13,14 @@ import time
 from pathlib import Path
 
 from layerdrop import model_folder
-from layerdrop.api.common import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, quantize_pass, save_model, write_json
+from layerdrop.api.common import (
+    DEFAULT_SAMPLES,
+    DEFAULT_SEQ_LEN,
+    fusion_passes,
+    quantize_pass,
+    save_model,
+    write_json,
+)
 from layerdrop.api.drop import drop
 from layerdrop.api.evaluate import evaluate
 from layerdrop.api.harp import harp
@@ -161,19 +168,18 @@ def pipeline(
 
 def _written_like_the_output(exported: Path, folder: Path, fuse: bool, quantize: str | None) -> None:
     """The unpruned export fused and/or quantized by the same passes as the pipeline's output."""
-    from layerdrop.passes.cleanup import cleanup_passes, run_passes
-    from layerdrop.passes.ort_fusions import OrtFusionPass
+    from layerdrop.passes.cleanup import run_passes
 
     source, model = model_folder.load(exported)
-    passes = [OrtFusionPass(), *cleanup_passes()] if fuse else []
+    passes = fusion_passes() if fuse else []
     model = run_passes(model, passes + ([quantize_pass(quantize)] if quantize else []))
     save_model(model, folder, source, force=True)
 
 
 def _builder_stage(source: Path | None, folder: Path, resume: bool, precision: str) -> Path | None:
     """onnxruntime-genai's builder graph (`-p precision -e cpu`, the builder's other defaults) of the source's
-    Hugging Face folder, or None (with a note on stderr)
-    where onnxruntime-genai is not installed, the source has no Hugging Face folder, or the builder fails."""
+    Hugging Face folder; None where onnxruntime-genai is not installed, or (with a note on stderr) where the source
+    has no Hugging Face folder or the builder's graph cannot be built or run."""
     from layerdrop.export.builder import builder_available, run_builder
     from layerdrop.export.default_model import resolve_source
 
