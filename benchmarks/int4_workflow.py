@@ -54,7 +54,8 @@ def main() -> None:
         print(f"{name}: {seconds[name]:.1f} s", file=sys.stderr, flush=True)
         return value
 
-    built = timed("builder -p int4", run_builder, default_model_folder(), out / "built")
+    built = timed("builder -p int4", run_builder, default_model_folder(), out / "built",
+                  precision="int4")
     timed("score", api.score, built, out / "scored", threads=threads, progress=False)
     timed("drop 7", api.drop, out / "scored", out / "built-attn7", counts={"attn": 7}, threads=threads)
     alphas = {29: 0.5, 28: 0.3}
