@@ -19,6 +19,7 @@ CALIBRATION_KEY = "layerdrop.calibration"    # scores: where the calibration win
 DROPPED_KEY = "layerdrop.dropped"            # every module a rewrite removed or bypassed, oldest first
 KV_LAYERS_KEY = "layerdrop.kv_layers"        # original layer of each kept KV-cache index
 FUSIONS_KEY = "layerdrop.ort_fusions"        # counts of ONNX Runtime fusions applied
+FUSION_NOTE_KEY = "layerdrop.ort_fusions.note"  # why GroupQueryAttention was kept from forming
 HARP_SEARCH_KEY = "layerdrop.harp_search"    # alpha search: text, every trial, seconds
 PLAN_KEY = "layerdrop.plan"                  # the planner's table and pick
 QUANTIZATION_KEY = "layerdrop.quantization"  # int4: bits, block size, accuracy level

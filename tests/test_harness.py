@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install -e '.[eval]')")
@@ -117,6 +118,21 @@ def test_adapter_matches_lm_eval_hf_model(exported, hf_folder, tasks, kv_cache, 
     reference = _evaluate(_hf_model(_hf_reference(hf_folder), folder), tasks)
     _compare(ours, reference)
     # the random-weight model writes something: generation was really exercised
+    assert any(r[0] for r in _responses(ours, "ld_gen"))
+
+
+def test_fused_group_query_attention_graph_matches_lm_eval_hf_model(exported, hf_folder, tasks, tmp_path):
+    """GroupQueryAttention reads positions, not the mask, and takes padding on the right only: log-likelihoods come
+    from right-padded batches and generation runs one prompt at a time, so the fused graph matches too."""
+    from layerdrop.runtime.harness import LayerdropLM
+
+    fused = tmp_path / "fused"
+    api.fuse(exported("llama-h16", True), fused)
+    graph = onnx.load(fused / "model.onnx", load_external_data=False).graph
+    assert "GroupQueryAttention" in {n.op_type for n in graph.node}
+    ours = _evaluate(LayerdropLM(path=str(fused), batch_size=4), tasks)
+    reference = _evaluate(_hf_model(_hf_reference(hf_folder, "llama-h16"), fused), tasks)
+    _compare(ours, reference)
     assert any(r[0] for r in _responses(ours, "ld_gen"))
 
 

@@ -37,11 +37,26 @@ FAMILIES = {
     "qwen3": lambda: transformers.Qwen3Config(**_COMMON, head_dim=8),
 }
 
+# Head size 16, which ONNX Runtime's CPU GroupQueryAttention kernel takes (it refuses 8): the fused graphs of these
+# have GroupQueryAttention; the sliding-window Gemma keeps MultiHeadAttention (the fusion would drop its window).
+_WIDE = {**_COMMON, "hidden_size": 64, "intermediate_size": 128}
+WIDE_HEAD_FAMILIES = {
+    "llama-h16": lambda: transformers.LlamaConfig(**_WIDE),
+    "qwen3-h16": lambda: transformers.Qwen3Config(**_WIDE, head_dim=16),
+    "gemma3-h16": lambda: transformers.Gemma3TextConfig(
+        **{**_WIDE, "tie_word_embeddings": True}, head_dim=16, query_pre_attn_scalar=16,
+        layer_types=["full_attention"] * 4),
+    "gemma3-h16-sliding": lambda: transformers.Gemma3TextConfig(
+        **{**_WIDE, "tie_word_embeddings": True}, head_dim=16, query_pre_attn_scalar=16, sliding_window=6,
+        layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"]),
+}
+
 
 def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
     """A random-weight model of `family`; norms get random weights too, so no two norms are alike."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(FAMILIES[family](), dtype=torch.float32).eval()
+    config = {**FAMILIES, **WIDE_HEAD_FAMILIES}[family]()
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:

@@ -12,7 +12,7 @@ import onnx_ir as ir
 
 from layerdrop import model_folder
 from layerdrop.errors import LayerdropError
-from layerdrop.formats import FUSIONS_KEY
+from layerdrop.formats import FUSION_NOTE_KEY, FUSIONS_KEY
 from layerdrop.passes.cleanup import cleanup_passes, run_passes
 from layerdrop.passes.drop_branches import DropBranchesPass
 from layerdrop.passes.find_residuals import FindResidualsPass
@@ -126,6 +126,11 @@ def quantize_pass(kind: str, block_size: int = 32, accuracy_level: int | None = 
 def fusions(model: ir.Model) -> dict[str, int]:
     """The ONNX Runtime fusions applied to the model, by name."""
     return read_json(model.metadata_props, FUSIONS_KEY, {})
+
+
+def fusion_note(model: ir.Model) -> str | None:
+    """Why the fusions left GroupQueryAttention out (None when they did not, or the model is not fused)."""
+    return model.metadata_props.get(FUSION_NOTE_KEY)
 
 
 def write_json(data: dict, path: Path) -> None:

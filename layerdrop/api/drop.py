@@ -10,6 +10,7 @@ from layerdrop import model_folder
 from layerdrop.api.common import (
     DEFAULT_SAMPLES,
     DEFAULT_SEQ_LEN,
+    fusion_note,
     fusions,
     open_model,
     rewrite_passes,
@@ -81,7 +82,8 @@ def drop(
             drop_iteratively(model, folder.path, windows, kinds, count, provider, threads, progress)
     model = run_passes(model, [*passes, *rewrite_passes([], {}, "", fuse=fuse, quantize=quantize)])
     save_model(model, out_dir, folder, force=force)
-    return {"fusions": fusions(model), "dropped": removed_modules(model), "kv_layers": kv_layer_map(model),
+    return {"fusions": fusions(model), "fusion_note": fusion_note(model), "dropped": removed_modules(model),
+            "kv_layers": kv_layer_map(model),
             "nodes": {"before": nodes_before, "after": len(model.graph)}}
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from layerdrop import model_folder
-from layerdrop.api.common import fusion_passes, fusions, save_model
+from layerdrop.api.common import fusion_note, fusion_passes, fusions, save_model
 from layerdrop.passes.cleanup import run_passes
 
 
@@ -23,4 +23,5 @@ def fuse(model_path: Path, out_dir: Path, *, force: bool = False) -> dict:
     before = len(model.graph)
     model = run_passes(model, fusion_passes())
     save_model(model, out_dir, folder, force=force)
-    return {"fusions": fusions(model), "nodes": {"before": before, "after": len(model.graph)}}
+    return {"fusions": fusions(model), "fusion_note": fusion_note(model),
+            "nodes": {"before": before, "after": len(model.graph)}}

@@ -9,6 +9,7 @@ from layerdrop import model_folder
 from layerdrop.api.common import (
     DEFAULT_SEQ_LEN,
     calibration_sha256,
+    fusion_note,
     fusions,
     int4_write_back,
     open_model,
@@ -88,4 +89,4 @@ def harp(
                                *int4_write_back(model, keep_float or quantize is not None)])
     save_model(model, out_dir, folder, force=force)
     return {"alphas": {int(k): v for k, v in alphas.items()}, "trials": trials, "search_seconds": seconds,
-            "kv_layers": kv_layer_map(model), "fusions": fusions(model)}
+            "kv_layers": kv_layer_map(model), "fusions": fusions(model), "fusion_note": fusion_note(model)}

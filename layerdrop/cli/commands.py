@@ -73,7 +73,7 @@ def cmd_drop(args) -> int:
                       **_runtime(args))
     names = ", ".join(f"{e['kind']}:{e['layer']}" for e in result["dropped"])
     print(f"dropped {names}; nodes {result['nodes']['before']} -> {result['nodes']['after']}; written to {args.output}")
-    print_fusions(result["fusions"], args.fuse)
+    print_fusions(result["fusions"], args.fuse, result.get("fusion_note"))
     if args.json:
         api.write_json(result, args.json)
     return 0
@@ -85,7 +85,7 @@ def cmd_harp(args) -> int:
                       sampling=sampling(args), batch_size=args.batch_size, force=args.force,
                       progress=_progress(args), fuse=args.fuse, quantize=args.quantize, keep_float=args.keep_float,
                       **_runtime(args))
-    print_fusions(result["fusions"], args.fuse)
+    print_fusions(result["fusions"], args.fuse, result.get("fusion_note"))
     alphas = ", ".join(f"{layer}={alpha:g}" for layer, alpha in sorted(result["alphas"].items(), reverse=True))
     searched = f" (searched in {result['search_seconds']:.0f} s)" if result["trials"] else ""
     print(f"HARP alphas {alphas}{searched}; written to {args.output}")
@@ -196,7 +196,7 @@ def cmd_plan(args) -> int:
 
 def cmd_fuse(args) -> int:
     result = api.fuse(args.model, args.output, force=args.force)
-    print_fusions(result["fusions"], True)
+    print_fusions(result["fusions"], True, result.get("fusion_note"))
     print(f"nodes {result['nodes']['before']} -> {result['nodes']['after']}; written to {args.output}")
     if args.json:
         api.write_json(result, args.json)

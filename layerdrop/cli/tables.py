@@ -24,10 +24,10 @@ def removal_text(entry: dict) -> str:
     return f"{entry['kind']}:{entry['layer']}(alpha {entry['alpha']}{', mean shift' if entry.get('shift') else ''})"
 
 
-def print_fusions(counts: dict[str, int], asked: bool) -> None:
+def print_fusions(counts: dict[str, int], asked: bool, note: str | None = None) -> None:
     if asked:
         fused = ", ".join(f"{name} x{count}" for name, count in counts.items()) or "nothing matched"
-        print(f"ONNX Runtime fusions: {fused}")
+        print(f"ONNX Runtime fusions: {fused}" + (f" ({note})" if note else ""))
 
 
 def harness_table(names: list[str], results: list[dict]) -> tuple[str, list[dict]]:

@@ -21,7 +21,7 @@ import onnx
 import onnxruntime as ort
 
 from layerdrop.formats import is_past, is_present, past_for
-from layerdrop.runtime.feeds import is_kv_graph, prefill_feed
+from layerdrop.runtime.feeds import is_kv_graph, prefill_feed, takes_padded_batches
 from layerdrop.runtime.generate import greedy_batch, greedy_generate
 from layerdrop.runtime.session import make_session
 
@@ -228,7 +228,8 @@ def _measure_generation_peak(folder: str, batch: int, context: int, new_tokens: 
     if not is_kv_graph(session):
         return None
     ids = _ids(context, batch, session)
-    greedy_batch(session, ids, np.ones_like(ids), new_tokens, prefill_chunk=GENERATION_CHUNK)
+    padded = takes_padded_batches(onnx.load(Path(folder) / "model.onnx", load_external_data=False))
+    greedy_batch(session, ids, np.ones_like(ids), new_tokens, prefill_chunk=GENERATION_CHUNK, rows_alone=not padded)
     if active_provider(session) == "cuda":
         return _cuda_memory_of_this_process()
     return peak_rss_bytes()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
+import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 
 from layerdrop.errors import LayerdropError
@@ -15,6 +17,14 @@ _NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "ten
 def numpy_type(ort_type: str):
     """The numpy dtype to feed for an ONNX Runtime tensor type (float32 when unknown)."""
     return _NUMPY_TYPES.get(ort_type, np.float32)
+
+
+def takes_padded_batches(model: onnx.ModelProto | ir.Model) -> bool:
+    """Whether a batch may be padded and prefilled through the cache in pieces: not for a graph with
+    GroupQueryAttention (the builder's, or a fused one), which takes its positions from position_ids or the mask's
+    row sums, treats padding as lying on the right, and takes several new tokens over a past for one row only."""
+    nodes = model.graph.node if isinstance(model, onnx.ModelProto) else model.graph
+    return not any(node.op_type == "GroupQueryAttention" for node in nodes)
 
 
 def is_kv_graph(session: ort.InferenceSession) -> bool:

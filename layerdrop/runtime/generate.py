@@ -1,4 +1,5 @@
-"""Greedy decoding through ONNX Runtime, with the KV cache when the graph has one, one prompt or a left-padded batch."""
+"""Greedy decoding through ONNX Runtime, with the KV cache when the graph has one, one prompt or a left-padded batch
+(or, for graphs that take no padded batch, rows of one length prefilled one at a time)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,21 @@ from collections.abc import Callable
 import numpy as np
 import onnxruntime as ort
 
+from layerdrop.errors import LayerdropError
 from layerdrop.formats import is_present, past_for
 from layerdrop.runtime.feeds import is_kv_graph, prefill_feed
+
+
+def right_pad(sequences: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids [batch, longest] padded on the right with `pad_id`, and the mask that excludes the padding: every
+    row's tokens keep positions 0, 1, ..., so a causal graph scores them as if alone, whatever its attention op."""
+    longest = max(len(s) for s in sequences)
+    ids = np.full((len(sequences), longest), pad_id, dtype=np.int64)
+    mask = np.zeros_like(ids)
+    for row, sequence in enumerate(sequences):
+        ids[row, :len(sequence)] = sequence
+        mask[row, :len(sequence)] = 1
+    return ids, mask
 
 
 def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -32,11 +46,14 @@ def greedy_batch(
     finished: Callable[[int, list[int]], bool] | None = None,
     keep_logits: bool = False,
     prefill_chunk: int | None = None,
+    rows_alone: bool = False,
 ) -> tuple[list[list[int]], list[list[np.ndarray]]]:
     """Greedily extend a left-padded batch (`ids`, `mask` [batch, seq]); padding is excluded by the mask.
 
     With `prefill_chunk` (a KV graph only) the prompt goes in `prefill_chunk` tokens at a time through the cache,
     so the prefill never holds more than that many positions of logits (a long prompt at a large vocabulary).
+    With `rows_alone` (a graph that takes no padded batch, see `feeds.takes_padded_batches`) each row of an unpadded
+    batch is prefilled by itself and the batch decodes together from the joined caches.
 
     `finished(row, new_tokens)` says when a row may stop (an end token, a stop string); decoding ends when every row
     has stopped or after `max_new_tokens`. A stopped row keeps being fed (its tokens are ignored) so the batch stays
@@ -44,6 +61,9 @@ def greedy_batch(
 
     Returns:
         Each row's new tokens and, with `keep_logits`, the float32 logits each token was chosen from.
+
+    Raises:
+        LayerdropError: `rows_alone` with a padded batch.
     """
     output_names = [o.name for o in session.get_outputs()]
     input_names = {i.name for i in session.get_inputs()}
@@ -54,12 +74,12 @@ def greedy_batch(
     new: list[list[int]] = [[] for _ in range(batch)]
     chosen_logits: list[list[np.ndarray]] = [[] for _ in range(batch)]
     done = [False] * batch
-    if kv and prefill_chunk and ids.shape[1] > prefill_chunk:
-        feed = _cache_after(session, ids, mask, prefill_chunk, output_names)
-    else:
-        feed = prefill_feed(session, ids, mask)
-    for _ in range(max_new_tokens):
-        outputs = dict(zip(output_names, session.run(output_names, feed)))
+    if max_new_tokens < 1:
+        return new, chosen_logits
+    if rows_alone and kv and batch > 1 and not mask.all():
+        raise LayerdropError("this graph takes no padded batch (GroupQueryAttention); give rows of one length")
+    outputs = _prefill(session, ids, mask, prefill_chunk if kv else None, output_names, rows_alone and kv)
+    for step in range(max_new_tokens):
         last = outputs["logits"][:, -1]
         tokens = np.argmax(last, axis=-1).astype(np.int64)
         for row in range(batch):
@@ -69,7 +89,7 @@ def greedy_batch(
             if keep_logits:
                 chosen_logits[row].append(last[row])
             done[row] = finished(row, new[row]) if finished else False
-        if all(done):
+        if all(done) or step == max_new_tokens - 1:
             break
         ids = np.concatenate([ids, tokens[:, None]], axis=1)
         mask = np.concatenate([mask, np.ones((batch, 1), dtype=np.int64)], axis=1)
@@ -77,6 +97,7 @@ def greedy_batch(
             feed = _cached_feed(outputs, tokens[:, None], mask, mask.sum(axis=1, keepdims=True) - 1, input_names)
         else:
             feed = prefill_feed(session, ids, mask)
+        outputs = dict(zip(output_names, session.run(output_names, feed)))
     return new, chosen_logits
 
 
@@ -96,6 +117,20 @@ def greedy_generate(
     tokens, logits = greedy_batch(session, ids, np.ones_like(ids), max_new_tokens, finished=finished,
                                   keep_logits=True)
     return tokens[0], logits[0]
+
+
+def _prefill(session: ort.InferenceSession, ids: np.ndarray, mask: np.ndarray, chunk: int | None,
+             output_names: list[str], rows_alone: bool) -> dict[str, np.ndarray]:
+    """The outputs (logits of the last piece, the cache) after the whole prompt, in pieces of `chunk` tokens
+    through the cache when given, one row at a time with `rows_alone`."""
+    if rows_alone and ids.shape[0] > 1:
+        rows = [_prefill(session, ids[r:r + 1], mask[r:r + 1], chunk, output_names, False) for r in range(len(ids))]
+        return {name: np.concatenate([row[name] for row in rows]) for name in output_names}
+    if chunk and ids.shape[1] > chunk:
+        feed = _cache_after(session, ids, mask, chunk, output_names)
+    else:
+        feed = prefill_feed(session, ids, mask)
+    return dict(zip(output_names, session.run(output_names, feed)))
 
 
 def _cache_after(session: ort.InferenceSession, ids: np.ndarray, mask: np.ndarray, chunk: int,

@@ -21,8 +21,8 @@ except ImportError:  # pragma: no cover - exercised only without the extra
 from tqdm import tqdm
 
 from layerdrop.runtime.evaluate import token_logprobs
-from layerdrop.runtime.feeds import prefill_feed
-from layerdrop.runtime.generate import greedy_batch, left_pad
+from layerdrop.runtime.feeds import prefill_feed, takes_padded_batches
+from layerdrop.runtime.generate import greedy_batch, left_pad, right_pad
 from layerdrop.runtime.session import make_session
 from layerdrop.windows import load_tokenizer
 
@@ -45,8 +45,10 @@ def _batch_size(value) -> int:
 class LayerdropLM(TemplateLM):
     """A layerdrop model folder (model.onnx, its weights, tokenizer.json, config.json) as an lm-eval model.
 
-    Log-likelihoods come from left-padded batches with the padding excluded by the attention mask; generation is
-    greedy and uses the KV cache when the graph has one.
+    Log-likelihoods come from right-padded batches (every row keeps positions 0, 1, ..., so any causal graph scores
+    it as if alone, GroupQueryAttention included); generation is greedy, uses the KV cache when the graph has one,
+    and runs left-padded batches, or one prompt at a time on a graph that takes no padded batch
+    (`feeds.takes_padded_batches`).
     """
 
     def __init__(
@@ -74,6 +76,7 @@ class LayerdropLM(TemplateLM):
             provider = "cuda" if device and str(device).startswith("cuda") else "cpu"
         self.session = make_session(model, folder=self.folder.path, provider=provider,
                                     threads=int(threads) if threads else None)
+        self._padded_batches = takes_padded_batches(model)
         self.tokenizer = load_tokenizer(self.folder.path)
         config = model_folder.config(self.folder.path)
         eos = config.get("eos_token_id")
@@ -119,10 +122,11 @@ class LayerdropLM(TemplateLM):
     def tok_decode(self, tokens: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(tokens), skip_special_tokens=skip_special_tokens)
 
-    def _logits(self, sequences: list[list[int]]) -> np.ndarray:
-        """Logits [batch, longest, vocab] of a left-padded batch (row r's last token is at position -1)."""
-        ids, mask = left_pad(sequences, self._pad)
-        return self.session.run(["logits"], prefill_feed(self.session, ids, mask))[0]
+    def _logits(self, sequences: list[list[int]]) -> list[np.ndarray]:
+        """Each sequence's logits [its length, vocab], from one right-padded batch."""
+        ids, mask = right_pad(sequences, self._pad)
+        logits = self.session.run(["logits"], prefill_feed(self.session, ids, mask))[0]
+        return [logits[row, :len(sequence)] for row, sequence in enumerate(sequences)]
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         return super().loglikelihood(requests, disable_tqdm=disable_tqdm or not self.progress)
@@ -149,7 +153,7 @@ class LayerdropLM(TemplateLM):
                 logits = self._logits([inputs[i] for i in chunk])
                 for row, index in enumerate(chunk):
                     key, _context, continuation = requests[index]
-                    chosen = logits[row, -len(continuation):]
+                    chosen = logits[row][-len(continuation):]
                     picked = token_logprobs(chosen, np.asarray(continuation))
                     answer = (float(picked.sum()), bool((chosen.argmax(axis=-1) == continuation).all()))
                     answers[index] = answer
@@ -204,7 +208,6 @@ class LayerdropLM(TemplateLM):
     def _generate(self, contexts: list[str], until: list[str], steps: int) -> list[str]:
         room = max(self._max_length - steps, 1)
         prompts = [self.tok_encode(c)[-room:] or [self.prefix_token_id] for c in contexts]
-        ids, mask = left_pad(prompts, self._pad)
 
         def finished(_row: int, tokens: list[int]) -> bool:
             if tokens[-1] == self._eot:
@@ -212,8 +215,13 @@ class LayerdropLM(TemplateLM):
             text = self.tok_decode(tokens, skip_special_tokens=False)
             return any(stop in text for stop in until)
 
+        if self._padded_batches:
+            generated = greedy_batch(self.session, *left_pad(prompts, self._pad), steps, finished=finished)[0]
+        else:
+            generated = [greedy_batch(self.session, np.array([p]), np.ones((1, len(p))), steps, finished=finished)[0][0]
+                         for p in prompts]
         texts = []
-        for tokens in greedy_batch(self.session, ids, mask, steps, finished=finished)[0]:
+        for tokens in generated:
             text = self.tok_decode(tokens, skip_special_tokens=False)
             for stop in until:
                 text = text.split(stop)[0]
