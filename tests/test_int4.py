@@ -125,3 +125,28 @@ def test_harp_writes_int4_back_and_genai_serves_it(built, tmp_path, rng):
     prompt = [int(t) for t in rng.randint(0, VOCAB, size=8)]
     ours, _ = greedy_generate(make_session(tmp_path / "int4" / "model.onnx"), np.array([prompt]), 12)
     assert genai_greedy(tmp_path / "int4", prompt, 12) == ours
+
+
+def test_an_int4_builder_folder_goes_through_score_plan_eval_and_bench_and_genai_serves_it(built, tmp_path, rng,
+                                                                                          capsys):
+    """The issue's whole path on the builder's int4 graph, as a user runs it: score, plan (every move, fits
+    included, written back as MatMulNBits), eval and bench; onnxruntime-genai generates from the planned folder
+    what a plain ONNX Runtime session generates."""
+    from layerdrop.cli import main
+
+    scored, planned = tmp_path / "scored", tmp_path / "planned"
+    assert main(["score", str(built), "-o", str(scored), "--samples", "4", "--seq-len", "32", "--no-progress"]) == 0
+    assert main(["plan", str(scored), "-o", str(planned), "--budget", "attn=1", "--samples", "4", "--search-samples",
+                 "2", "--eval-samples", "2", "--fit-samples", "4", "--seq-len", "32", "--extra", "1",
+                 "--no-progress"]) == 0
+    ops = [n.op_type for n in onnx.load(planned / "model.onnx", load_external_data=False).graph.node]
+    assert ops.count("GroupQueryAttention") == 3 and "MatMulNBits" in ops
+    capsys.readouterr()
+    assert main(["eval", str(planned), "--samples", "2", "--seq-len", "32", "--no-progress"]) == 0
+    assert "perplexity" in capsys.readouterr().out
+    assert main(["bench", str(built), str(planned), "--seq", "16", "--runs", "1", "--decode", "2",
+                 "--threads", "1"]) == 0
+    assert "prefill 16 tokens" in capsys.readouterr().out
+    prompt = [int(t) for t in rng.randint(0, VOCAB, size=8)]
+    ours, _ = greedy_generate(make_session(planned / "model.onnx"), np.array([prompt]), 12)
+    assert genai_greedy(planned, prompt, 12) == ours

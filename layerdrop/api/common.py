@@ -111,16 +111,18 @@ def int4_write_back(model: ir.Model, keep_float: bool) -> list[ir.passes.PassBas
 
 
 def quantize_pass(kind: str, block_size: int = 32, accuracy_level: int | None = None) -> ir.passes.PassBase:
-    """The pass for `--quantize KIND` (int4: ONNX Runtime's MatMulNBits quantizer).
+    """The pass for `--quantize KIND` (int4: ONNX Runtime's MatMulNBits quantizer, at `accuracy_level`, by default
+    the model builder's for CPU: 4, int8 activations).
 
     Raises:
         LayerdropError: an unknown kind.
     """
     if kind != "int4":
         raise LayerdropError(f"unknown --quantize {kind!r}; layerdrop writes int4 (MatMulNBits)")
-    from layerdrop.passes.quantize_int4 import QuantizeInt4Pass
+    from layerdrop.passes.quantize_int4 import DEFAULT_ACCURACY_LEVEL, QuantizeInt4Pass
 
-    return QuantizeInt4Pass(block_size=block_size, accuracy_level=accuracy_level)
+    level = DEFAULT_ACCURACY_LEVEL if accuracy_level is None else accuracy_level
+    return QuantizeInt4Pass(block_size=block_size, accuracy_level=level)
 
 
 def fusions(model: ir.Model) -> dict[str, int]:

@@ -29,6 +29,7 @@ from layerdrop.api.reports import side_by_side
 from layerdrop.api.score import score
 from layerdrop.errors import LayerdropError
 from layerdrop.model_folder import write_atomically
+from layerdrop.passes.quantize_int4 import DEFAULT_ACCURACY_LEVEL
 from layerdrop.windows import Sampling, TextSource, resolve_text
 
 STAMP = "layerdrop-stage.json"
@@ -118,6 +119,8 @@ def pipeline(
             export_model(source, exported, kv_cache=True, force=True)
         redo |= _stage("export", exported, key, resume, export)
 
+    # stages written through the quantizer are redone when its settings change
+    quantized = (quantize, DEFAULT_ACCURACY_LEVEL) if quantize else None
     key = _fingerprint("score", _stamp_of(exported) or str(exported), _file_digest(calib), samples, seq_len,
                        sampling)
     redo |= _stage("score", scored, key, resume and not redo, lambda: score(
@@ -127,7 +130,7 @@ def pipeline(
     layers = int(inspect(scored)["regions"][-1]["layer"]) + 1
     if harp_top is not None:
         method = f"harp-{harp_top}"
-        key = _fingerprint("harp", _stamp_of(scored), harp_top, _file_digest(calib), sampling, fuse, quantize)
+        key = _fingerprint("harp", _stamp_of(scored), harp_top, _file_digest(calib), sampling, fuse, quantized)
         _stage(method, pruned, key, resume and not redo, lambda: harp(
             scored, pruned, top=harp_top, search=True, search_text=calib, sampling=sampling, batch_size=batch_size,
             provider=provider,
@@ -135,14 +138,14 @@ def pipeline(
     else:
         counts = {"joint": joint} if joint is not None else {"attn": attn if attn is not None else max(1, layers // 4)}
         method = "-".join(f"{k}-{v}" for k, v in counts.items())
-        key = _fingerprint("drop", _stamp_of(scored), counts, fuse, quantize)
+        key = _fingerprint("drop", _stamp_of(scored), counts, fuse, quantized)
         _stage(method, pruned, key, resume and not redo,
                lambda: drop(scored, pruned, counts=counts, force=True, fuse=fuse, quantize=quantize))
 
     bench_base = exported
     if fuse or quantize:  # the base written the way the output is, so the bench times the rewrite alone
         bench_base = out_dir / "bench-base"
-        key = _fingerprint("bench-base", _stamp_of(exported) or str(exported), fuse, quantize)
+        key = _fingerprint("bench-base", _stamp_of(exported) or str(exported), fuse, quantized)
         _stage("bench base", bench_base, key, resume and not redo,
                lambda: _written_like_the_output(exported, bench_base, fuse, quantize))
     precision = "int4" if quantize else "fp32"

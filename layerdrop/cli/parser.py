@@ -151,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     _output(p)
     p.add_argument("--block-size", type=parse_count, default=32, help="weights per scale (16, 32, 64, 128, ...)")
     p.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4), default=None,
-                   help="MatMulNBits accuracy level (4: int8 activations on CPU)")
+                   help="MatMulNBits accuracy level (default 4, as the model builder writes for CPU: int8 "
+                   "activations; 0: float activations)")
     p.add_argument("--json", type=Path)
     p.add_argument("--debug", action="store_true")
 

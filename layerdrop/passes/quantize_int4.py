@@ -18,14 +18,20 @@ import onnx_ir as ir
 from layerdrop.formats import QUANTIZATION_KEY
 from layerdrop.passes.metadata import write_json
 
+# The model builder's level for CPU int4: int8 activations in MatMulNBits. On SmolLM2 it decodes 2.1x faster than
+# float activations (level 0) for 0.2% perplexity (49.82 vs 49.71; README, "Deployable output").
+DEFAULT_ACCURACY_LEVEL = 4
+
 
 class QuantizeInt4Pass(ir.passes.PassBase):
-    """MatMul -> MatMulNBits (4 bits, `block_size` weights per scale, symmetric or with zero points)."""
+    """MatMul -> MatMulNBits (4 bits, `block_size` weights per scale, symmetric or with zero points; ONNX Runtime's
+    `accuracy_level`, 4 by default: int8 activations on CPU, 0: float activations)."""
 
     in_place = False
     changes_input = True
 
-    def __init__(self, block_size: int = 32, accuracy_level: int | None = None, symmetric: bool = True) -> None:
+    def __init__(self, block_size: int = 32, accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
+                 symmetric: bool = True) -> None:
         super().__init__()
         self.block_size, self.accuracy_level, self.symmetric = block_size, accuracy_level, symmetric
 
