@@ -109,3 +109,59 @@ def test_inspect_and_drop_after_harp_on_a_scored_folder(exported, tmp_path, caps
     api.drop(tmp_path / "harp", tmp_path / "then-drop", counts={"attn": 1})
     removed = api.inspect(tmp_path / "then-drop")["removed"]
     assert [(r["how"], r["layer"]) for r in removed][0] == ("harp", 3) and len(removed) == 2
+
+
+def test_a_com_microsoft_attention_op_with_packed_weights_is_refused_in_one_line(tmp_path, capsys):
+    """The com.microsoft Attention op holds q, k and v in one weight input of its own layout: HARP cannot take V
+    out of it. One line, exit 2, nothing written, the input untouched (drops still work on such a graph)."""
+    import hashlib
+
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.RandomState(0)
+    hidden, vocab = 16, 32
+
+    def weight(name, *shape):
+        return numpy_helper.from_array(rng.randn(*shape).astype(np.float32) * 0.1, name)
+
+    nodes, weights, stream = [helper.make_node("Gather", ["embed", "input_ids"], ["h0"])], [], "h0"
+    for layer in range(2):  # norm -> Attention -> Add, norm -> SiLU MLP -> Add
+        n, a, m = f"attn_norm{layer}", f"mlp_norm{layer}", f"l{layer}"
+        nodes += [helper.make_node("SimplifiedLayerNormalization", [stream, n], [f"{n}_out"], axis=-1, epsilon=1e-6),
+                  helper.make_node("Attention", [f"{n}_out", f"{m}_qkv", f"{m}_qkv_bias"], [f"{m}_attn"],
+                                   domain="com.microsoft", num_heads=2, unidirectional=1),
+                  helper.make_node("Add", [stream, f"{m}_attn"], [f"{m}_mid"]),
+                  helper.make_node("SimplifiedLayerNormalization", [f"{m}_mid", a], [f"{a}_out"], axis=-1,
+                                   epsilon=1e-6),
+                  helper.make_node("MatMul", [f"{a}_out", f"{m}_up"], [f"{m}_up_out"]),
+                  helper.make_node("Sigmoid", [f"{m}_up_out"], [f"{m}_gate"]),
+                  helper.make_node("Mul", [f"{m}_up_out", f"{m}_gate"], [f"{m}_silu"]),
+                  helper.make_node("MatMul", [f"{m}_silu", f"{m}_down"], [f"{m}_mlp"]),
+                  helper.make_node("Add", [f"{m}_mid", f"{m}_mlp"], [f"{m}_out"])]
+        weights += [weight(n, hidden), weight(a, hidden), weight(f"{m}_qkv", hidden, 3 * hidden),
+                    weight(f"{m}_qkv_bias", 3 * hidden), weight(f"{m}_up", hidden, 2 * hidden),
+                    weight(f"{m}_down", 2 * hidden, hidden)]
+        stream = f"{m}_out"
+    nodes += [helper.make_node("SimplifiedLayerNormalization", [stream, "final_norm"], ["final"], axis=-1,
+                               epsilon=1e-6),
+              helper.make_node("MatMul", ["final", "lm_head"], ["logits"])]
+    weights += [weight("embed", vocab, hidden), weight("final_norm", hidden), weight("lm_head", hidden, vocab)]
+    graph = helper.make_graph(
+        nodes, "attention-op", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "seq"])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "seq", vocab])], weights)
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
+    for key, value in (("layerdrop.num_attention_heads", "2"), ("layerdrop.num_kv_heads", "2"),
+                       ("layerdrop.head_dim", "8"), ("layerdrop.num_layers", "2")):
+        model.metadata_props.add(key=key, value=value)
+    folder = tmp_path / "attention-op"
+    folder.mkdir()
+    onnx.save(model, folder / "model.onnx")
+    before = hashlib.sha256((folder / "model.onnx").read_bytes()).hexdigest()
+    capsys.readouterr()
+    assert main(["harp", str(folder), "-o", str(tmp_path / "out"), "--alpha", "0=0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "com.microsoft Attention op" in err and err.count("\n") == 1 and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()
+    assert hashlib.sha256((folder / "model.onnx").read_bytes()).hexdigest() == before
+    assert main(["drop", str(folder), "-o", str(tmp_path / "dropped"), "--drop", "attn:0"]) == 0

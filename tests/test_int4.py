@@ -150,3 +150,25 @@ def test_an_int4_builder_folder_goes_through_score_plan_eval_and_bench_and_genai
     prompt = [int(t) for t in rng.randint(0, VOCAB, size=8)]
     ours, _ = greedy_generate(make_session(planned / "model.onnx"), np.array([prompt]), 12)
     assert genai_greedy(planned, prompt, 12) == ours
+
+
+def test_a_matmul_nbits_layout_that_cannot_be_read_back_is_refused_in_one_line(built, tmp_path, capsys):
+    """HARP must read V and O back; an 8-bit MatMulNBits (not what the builder's int4 writes) is refused, with
+    nothing written and the input untouched."""
+    from layerdrop.cli import main
+
+    damaged = tmp_path / "eight-bit"
+    shutil.copytree(built, damaged)
+    proto = onnx.load(damaged / "model.onnx", load_external_data=False)
+    for node in proto.graph.node:
+        if node.op_type == "MatMulNBits" and "o_proj" in node.name and "layers.3" in node.name:
+            for attribute in [a for a in node.attribute if a.name == "bits"]:
+                node.attribute.remove(attribute)
+            node.attribute.append(helper.make_attribute("bits", 8))
+    onnx.save(proto, damaged / "model.onnx")
+    before = (damaged / "model.onnx").read_bytes()
+    capsys.readouterr()
+    assert main(["harp", str(damaged), "-o", str(tmp_path / "out"), "--alpha", "3=0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "MatMulNBits with 8 bits cannot be read back" in err and err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "out").exists() and (damaged / "model.onnx").read_bytes() == before

@@ -12,8 +12,7 @@ import json
 
 import onnx_ir as ir
 
-FUSIONS_KEY = "layerdrop.ort_fusions"
-FUSION_NOTE_KEY = "layerdrop.ort_fusions.note"
+from layerdrop.formats import FUSION_NOTE_KEY, FUSIONS_KEY
 
 
 class OrtFusionPass(ir.passes.InPlacePass):
