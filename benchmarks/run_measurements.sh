@@ -15,5 +15,6 @@ python benchmarks/bench_scoring.py --model "$out/smollm2/pipeline/export" --hf "
     --json "$out/scoring-smollm2.json"
 python benchmarks/int4_workflow.py --out "$out/int4" --json "$out/int4.json" --export "$out/smollm2/pipeline/export"
 python benchmarks/deploy_table.py --out "$out/deploy"
+bash benchmarks/int4_levels.sh "$out/deploy" "$out/int4-levels"
 python benchmarks/op_profile.py "$out/deploy/fp32/bench-base" "$out/deploy/fp32/builder" --seq 1024 \
     --json "$out/op-profile-fp32.json"
