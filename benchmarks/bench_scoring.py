@@ -36,7 +36,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=Path("bench-out/scoring.json"))
     args = parser.parse_args()
 
-    windows = windows_for(args.model, None, role="calib", samples=args.samples, seq_len=args.seq_len)
+    windows = windows_for(args.model, Path("prose"), role="calib", samples=args.samples, seq_len=args.seq_len)
     folder, model = open_model(args.model)
     start = time.perf_counter()
     scores = compute_scores(model, folder.path, windows, threads=args.threads, progress=False)

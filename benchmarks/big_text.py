@@ -31,7 +31,7 @@ def write_texts(workdir: Path, gigabytes: float) -> tuple[Path, Path]:
     target = int(gigabytes * 1e9)
     if text_path.is_file() and abs(text_path.stat().st_size - target) < 5e6 and jsonl_path.is_file():
         return text_path, jsonl_path
-    base = bundled_text("calib").read_text(encoding="utf-8") + "\n\n" + bundled_text("eval").read_text(encoding="utf-8")
+    base = bundled_text("prose").read_text(encoding="utf-8") + "\n\n" + bundled_text("eval").read_text(encoding="utf-8")
     paragraphs = [p for p in base.split("\n\n") if p.strip()]
     with open(text_path, "w", encoding="utf-8") as text_out, open(jsonl_path, "w", encoding="utf-8") as jsonl_out:
         copy = 0
@@ -71,7 +71,7 @@ def main() -> None:
     score = [sys.executable, "-m", "layerdrop.cli", "score", str(args.model), "--samples", str(args.samples),
              "--threads", str(args.threads), "--no-progress"]
     rows = {}
-    for name, path in (("bundled text", bundled_text("calib")), ("big text", big), ("big JSON Lines", jsonl)):
+    for name, path in (("bundled text", bundled_text("prose")), ("big text", big), ("big JSON Lines", jsonl)):
         rows[name] = {"bytes": path.stat().st_size, **measure([*score, "--calib", str(path)])}
     base = rows["bundled text"]
     result = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, {args.threads} threads",

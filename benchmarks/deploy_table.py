@@ -31,7 +31,7 @@ def pipeline(out: Path, reuse: Path | None, *extra: str) -> dict:
         if reuse is not None and not (out / stage).exists():
             shutil.copytree(reuse / stage, out / stage)
     command = [sys.executable, "-m", "layerdrop.cli", "pipeline", "smollm2-135m", "-o", str(out), "--resume",
-               "--threads", "2", "--no-progress", *extra]
+               "--calib", "prose", "--threads", "2", "--no-progress", *extra]
     print("$ layerdrop " + " ".join(command[3:]), file=sys.stderr, flush=True)
     subprocess.run(command, check=True)
     return json.loads((out / "report.json").read_text())

@@ -47,7 +47,7 @@ def main() -> None:
     run_builder(default_model_folder(), built)
     timings["build"] = time.perf_counter() - start
     start = time.perf_counter()
-    api.score(built, scored, threads=args.threads, progress=False)
+    api.score(built, scored, calib=Path("prose"), threads=args.threads, progress=False)
     timings["score"] = time.perf_counter() - start
     folders = {"builder": built}
     for name, fuse in (("attn8", False), ("attn8 --fuse", True)):

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+PROSE = Path("prose")  # the calibration text of the README's figures (the default is now the mixed `calib`)
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for the tests' helpers
 
 
@@ -56,7 +58,7 @@ def main() -> None:
 
     built = timed("builder -p int4", run_builder, default_model_folder(), out / "built",
                   precision="int4")
-    timed("score", api.score, built, out / "scored", threads=threads, progress=False)
+    timed("score", api.score, built, out / "scored", calib=PROSE, threads=threads, progress=False)
     timed("drop 7", api.drop, out / "scored", out / "built-attn7", counts={"attn": 7}, threads=threads)
     alphas = {29: 0.5, 28: 0.3}
     timed("harp int4", api.harp, out / "scored", out / "built-harp", alphas=alphas, threads=threads, progress=False)
@@ -64,7 +66,7 @@ def main() -> None:
           threads=threads, progress=False)
     export = args.export or timed("export", api.export, None, out / "export")
     timed("quantize", api.quantize, export, out / "export-int4")
-    timed("score export", api.score, export, out / "export-scored", threads=threads, progress=False)
+    timed("score export", api.score, export, out / "export-scored", calib=PROSE, threads=threads, progress=False)
     timed("drop 7 --quantize int4", api.drop, out / "export-scored", out / "export-attn7-int4", counts={"attn": 7},
           quantize="int4", threads=threads)
 

@@ -41,6 +41,8 @@ def main() -> None:
     parser.add_argument("--threads", default="2")
     parser.add_argument("--speed-only", action="store_true")
     parser.add_argument("--resume", action="store_true", help="skip the steps whose JSON is already in --out")
+    parser.add_argument("--calib", default="prose", help="calibration and search text of every step (default: "
+                        "prose, the text the README's tables were measured with; `calib` is the mixed default)")
     parser.add_argument("--plan-args", default="", help="extra `layerdrop plan` options, e.g. '--extra 2'")
     args = parser.parse_args()
     out, threads = args.out, ["--threads", args.threads, "--no-progress"]
@@ -57,13 +59,14 @@ def main() -> None:
         seconds[name] = run(*command)
         (out / "seconds.json").write_text(json.dumps({**old, **seconds}, indent=2) + "\n")
 
-    step("pipeline", pipeline / "report.json", "pipeline", args.model, "-o", str(pipeline), "--force", *threads)
+    step("pipeline", pipeline / "report.json", "pipeline", args.model, "-o", str(pipeline), "--force", "--calib",
+         args.calib, *threads)
     layers = json.loads((pipeline / "report.json").read_text())["method"]  # "attn-N"
     count = layers.split("-")[-1]
     step("harp", out / "harp.json", "harp", str(scored), "-o", str(out / "harp"), "--top", count, "--search",
-         "--force", "--json", str(out / "harp.json"), *threads)
+         "--calib", args.calib, "--force", "--json", str(out / "harp.json"), *threads)
     step("plan", out / "plan.json", "plan", str(scored), "-o", str(out / "plan"), "--budget", f"attn={count}",
-         "--force", "--json", str(out / "plan.json"), *args.plan_args.split(), *threads)
+         "--calib", args.calib, "--force", "--json", str(out / "plan.json"), *args.plan_args.split(), *threads)
     for name in ("harp", "plan"):
         step(f"eval-{name}", out / f"eval-{name}.json", "eval", str(out / name), "--json",
              str(out / f"eval-{name}.json"), *threads)

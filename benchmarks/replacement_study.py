@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -41,7 +42,8 @@ class Study:
         self.original = [layer.self_attn.forward for layer in self.layers]
 
         def windows(role, samples):  # the windows of the planner's README figures: from the start of each text
-            return torch.tensor(windows_for(folder, None, role=role, samples=samples, seq_len=256,
+            text = None if role == "eval" else Path("prose")  # the prose the README's figures were measured with
+            return torch.tensor(windows_for(folder, text, role=role, samples=samples, seq_len=256,
                                             sampling=Sampling(from_start=True)).ids)
 
         self.calib, self.search, self.held = windows("calib", 64), windows("search", 8), windows("eval", 32)

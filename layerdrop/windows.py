@@ -48,7 +48,9 @@ LINE_CAP = 1 << 16  # bytes a line may reach beyond its run before it is cut
 DOCUMENT_JOINER = "\n\n"  # between files of a folder and between JSON Lines records
 
 
-BUNDLED = {"calib": "Jane Austen, Persuasion (the default calibration and search text)",
+BUNDLED = {"calib": "mixed kinds: narrative prose, a dialogue in verse, technical writing, code (the default "
+                    "calibration and search text)",
+           "prose": "Jane Austen, Persuasion (narrative prose; the calibration text before 2026-12-02)",
            "eval": "Jane Austen, Northanger Abbey (the default evaluation text)",
            "docs": "technical writing: docstrings of Python's standard library",
            "code": "code: Python standard-library source"}
@@ -61,7 +63,7 @@ def bundled_text(part: str) -> Path:
 
 def resolve_text(text: Path | str | None, role: str = "calib") -> Path:
     """The file a text argument names: the role's bundled default for None, an existing path as it is, else a bundled
-    text's name (`BUNDLED`: calib, eval, docs, code); anything else is returned for `TextSource.open` to refuse."""
+    text's name (`BUNDLED`: calib, prose, eval, docs, code); anything else is returned for `TextSource.open` to refuse."""
     if text is None:
         return bundled_text("eval" if role == "eval" else "calib")
     path = Path(text)

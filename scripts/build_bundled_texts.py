@@ -1,6 +1,8 @@
-"""Build the bundled technical-writing and code texts from the Python standard library (PSF License 2.0).
+"""Build the bundled technical-writing and code texts from the Python standard library (PSF License 2.0), and
+the mixed-kind default calibration text.
 
-    python scripts/build_bundled_texts.py   # with CPython 3.11.7, as the shipped files were made
+    python scripts/build_bundled_texts.py                # with CPython 3.11.7, as the shipped files were made
+    python scripts/build_bundled_texts.py --job job.txt  # also calib.txt, from the Book of Job (KJV, see SOURCE.md)
 
 `layerdrop/data/docs.txt`: the docstrings of a set of standard-library modules (module, then each public class,
 function and method, in source order, under its name and signature), technical English with examples.
@@ -22,6 +24,13 @@ DOC_MODULES = ("argparse", "pathlib", "textwrap", "json/__init__", "json/decoder
                "tempfile", "glob", "fnmatch", "enum", "typing")
 CODE_MODULES = ("heapq", "bisect", "shlex", "graphlib", "colorsys", "string", "calendar", "difflib",
                 "dataclasses", "random", "contextlib")
+# The mixed calibration text's technical writing and code: modules in neither list above, so that the bundled
+# `docs` and `code` texts stay held out from a model calibrated on it.
+MIXED_DOC_MODULES = ("configparser", "ipaddress", "optparse", "threading", "queue", "datetime", "pprint",
+                     "selectors", "weakref", "gettext")
+MIXED_CODE_MODULES = ("base64", "copy", "reprlib", "operator", "sched", "getopt", "netrc", "linecache", "numbers")
+MIXED_SHARE = 72 * 1024  # bytes of each kind in the mixed text
+MIXED_CHUNK = 3 * 1024  # the kinds alternate in runs of whole lines of about this many bytes
 MIN_DOC = 60  # shorter docstrings ("Return self.") carry no prose
 
 
@@ -68,9 +77,54 @@ def build() -> dict[str, str]:
     return texts
 
 
+def _runs(text: str, share: int, chunk: int) -> list[str]:
+    """The first `share` bytes of `text` (whole lines), cut into runs of whole lines of about `chunk` bytes."""
+    runs, current, size, total = [], [], 0, 0
+    for line in text.split("\n"):
+        if total >= share:
+            break
+        current.append(line)
+        size += len(line.encode("utf-8")) + 1
+        total += len(line.encode("utf-8")) + 1
+        if size >= chunk and not line.strip():  # cut at a blank line, so that paragraphs stay whole
+            runs.append("\n".join(current).strip("\n"))
+            current, size = [], 0
+    if current:
+        runs.append("\n".join(current).strip("\n"))
+    return [r for r in runs if r]
+
+
+def build_mixed(prose: str, job: str, stdlib: Path) -> str:
+    """calib.txt: narrative prose, a dialogue in verse, technical writing and code, alternating in ~3 KB runs.
+
+    `prose` is the bundled prose.txt (Persuasion), `job` the Book of Job as the Debian `bible` program prints it.
+    Every period of the window layout (16-160 KiB) so holds all four kinds in its calibration and search parts.
+    """
+    docs = []
+    for name in MIXED_DOC_MODULES:
+        docs += docstrings(name, (stdlib / f"{name}.py").read_text(encoding="utf-8"))
+    code = [f"# ---- Lib/{name}.py ----\n\n" + (stdlib / f"{name}.py").read_text(encoding="utf-8").strip() + "\n"
+            for name in MIXED_CODE_MODULES]
+    kinds = [_runs(text, MIXED_SHARE, MIXED_CHUNK)
+             for text in (prose, job.strip("\n"), "\n\n".join(p.strip() for p in docs), "\n\n".join(code))]
+    runs = [kind[i] for i in range(max(map(len, kinds))) for kind in kinds if i < len(kind)]
+    text = "\n\n".join(runs) + "\n"
+    return "\n".join(line.rstrip() for line in text.split("\n"))
+
+
 def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--job", type=Path, help="the Book of Job as `bible -l1000 'Job 1:1-42:17'` prints it")
+    args = parser.parse_args()
     data = Path(__file__).resolve().parent.parent / "layerdrop" / "data"
-    for file_name, text in build().items():
+    texts = build()
+    if args.job is not None:
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        texts["calib.txt"] = build_mixed((data / "prose.txt").read_text(encoding="utf-8"),
+                                         args.job.read_text(encoding="utf-8"), stdlib)
+    for file_name, text in texts.items():
         (data / file_name).write_text(text, encoding="utf-8")
         digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
         print(f"{file_name}: {len(text.encode('utf-8')):,} bytes, sha256 {digest}, Python {sys.version.split()[0]}")

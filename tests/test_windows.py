@@ -276,7 +276,7 @@ def test_bos_windows_predict_every_text_token_and_never_the_bos(bos_model):
 
 # -- bundled texts of other kinds -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["docs", "code"])
+@pytest.mark.parametrize("name", ["docs", "code", "prose"])
 def test_bundled_texts_of_other_kinds_are_named_like_files(name, tiny_tokenizer_file, tmp_path, monkeypatch):
     """`--calib code` reads the bundled file; a file of that name in the working folder wins over the bundled one."""
     folder = _folder_with(tmp_path, tiny_tokenizer_file)
@@ -295,7 +295,7 @@ def test_bundled_texts_of_other_kinds_are_named_like_files(name, tiny_tokenizer_
 def test_an_unknown_text_name_lists_the_bundled_ones(exported, capsys):
     assert main(["eval", str(exported("llama", False)), "--text", "poetry", "--samples", "1"]) == 2
     err = capsys.readouterr().err
-    assert "text file poetry does not exist" in err and "calib, eval, docs, code" in err
+    assert "text file poetry does not exist" in err and "calib, prose, eval, docs, code" in err
 
 
 def test_the_standard_library_texts_are_rebuilt_byte_for_byte():
@@ -315,3 +315,48 @@ def test_the_standard_library_texts_are_rebuilt_byte_for_byte():
         shipped = bundled_text(file_name[:-4]).read_bytes()
         assert text.encode("utf-8") == shipped
         assert f"`{file_name}` SHA-256 `{hashlib.sha256(shipped).hexdigest()}`" in source
+
+
+def test_the_default_calibration_text_mixes_kinds_and_keeps_the_evaluation_texts_out(tiny_tokenizer_file, tmp_path):
+    """The default calibration windows come from all four kinds; no passage of the bundled held-out texts is in it."""
+    import hashlib
+    import re
+    import sysconfig
+
+    raw = bundled_text("calib").read_bytes()
+    mixed = raw.decode("utf-8")
+    for held_out in ("eval", "docs", "code"):
+        lines = {line for line in bundled_text(held_out).read_text(encoding="utf-8").split("\n") if len(line) > 60}
+        shared = [line for line in mixed.split("\n") if line in lines]
+        assert len(shared) < 5, (held_out, shared[:5])  # a licence line may recur, no passage does
+    builder = _build_script()
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    docs = {line for name in builder.MIXED_DOC_MODULES
+            for part in builder.docstrings(name, (stdlib / f"{name}.py").read_text(encoding="utf-8"))
+            for line in part.split("\n")}
+    prose = set(bundled_text("prose").read_text(encoding="utf-8").split("\n"))
+
+    def kind(line: str) -> str:
+        if re.match(r"^ +\d+ |^Job \d+$", line):
+            return "verse"
+        return "prose" if line in prose else "docs" if line in docs else "code"
+
+    folder = _folder_with(tmp_path, tiny_tokenizer_file)
+    drawn = draw_windows(folder, None, role="calib", samples=64, seq_len=32)
+    seen = set()
+    for start in drawn.source["starts"]:  # each window starts at a line start: the kind of its first text line
+        line = next(line for line in raw[start:start + 4096].decode("utf-8", "ignore").split("\n") if line.strip())
+        seen.add(kind(line))
+    assert seen == {"prose", "verse", "docs", "code"}
+    source = (Path(__file__).resolve().parent.parent / "layerdrop" / "data" / "SOURCE.md").read_text()
+    assert f"`calib.txt` SHA-256 `{hashlib.sha256(raw).hexdigest()}`" in source
+
+
+def _build_script():
+    import importlib.util
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "build_bundled_texts.py"
+    spec = importlib.util.spec_from_file_location("build_bundled_texts", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -35,7 +35,7 @@ def _text_options(parser: argparse.ArgumentParser, flag: str | None, what: str, 
 
     if flag:
         parser.add_argument(flag, type=Path, default=None, help=f"{what} text: a UTF-8 file, a .jsonl file, a "
-                            "folder of them, or a bundled text (calib, eval, docs, code; default: the bundled text)")
+                            "folder of them, or a bundled text (calib, prose, eval, docs, code; default: the bundled text)")
         parser.add_argument("--samples", type=parse_count, default=samples or DEFAULT_SAMPLES, help="windows to use")
         parser.add_argument("--seq-len", type=parse_count, default=DEFAULT_SEQ_LEN,
                             help="text tokens per window (a BOS comes first where the tokenizer adds one)")
@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     _output(p)
     p.add_argument("--budget", required=True, help="attn=N | kv=FRACTION_KEPT | speedup=X[@TOKENS] | blocks=N")
     p.add_argument("--calib", type=Path, help="text for scores and the search: a file, a folder or a bundled text "
-                   "(calib, eval, docs, code; default: calib)")
+                   "(calib, prose, eval, docs, code; default: calib, the mixed one)")
     p.add_argument("--eval", type=Path, help="held-out text for the comparison table (default: the bundled eval)")
     p.add_argument("--samples", type=parse_count, default=64, help="scoring windows (if the model is unscored)")
     p.add_argument("--search-samples", type=parse_count, default=8, help="windows of search text per evaluation")
