@@ -223,3 +223,30 @@ def test_adapter_follows_a_bos_tokenizer_like_lm_evals_hf(exported, hf_folder, t
     reference_model.tokenizer.bos_token = reference_model.tokenizer.convert_ids_to_tokens(VOCAB - 1)
     assert reference_model.tok_encode("Anne") == ours_model.tok_encode("Anne")
     _compare(_evaluate(ours_model, tasks), _evaluate(reference_model, tasks))
+
+
+def test_plan_accuracy_column_matches_lm_eval_hf_model(exported, hf_folder, tmp_path):
+    """`plan`'s accuracy column: the baseline's and the one-shot drop's accuracy on the plan's own items equal lm-eval's
+    `hf` model on the PyTorch model (the drop's with the same attention layers replaced by zero branches); the
+    retained share is their ratio; a second held-out text gets its own perplexity column."""
+    from layerdrop.api.reports import plan_table
+    from layerdrop.runtime.tasks import choice_accuracy
+
+    folder = exported("llama", True)
+    result = api.plan(folder, tmp_path / "plan", budget="attn=1", samples=4, search_samples=2, eval_samples=2,
+                      seq_len=32, extra=1, moves="drop,bypass", accuracy_items=40, also_eval=[Path("code")],
+                      progress=False)
+    items = result["accuracy_task"]
+    assert result["accuracy_items"] == 40 and len(items) == 40
+    assert all(len(item["choices"]) == 4 and item["context"] for item in items)
+    assert len({item["choices"][item["answer"]] for item in items}) > 30  # the true continuations differ
+    torch_model = _hf_reference(hf_folder)
+    assert result["baseline"]["accuracy"] == pytest.approx(choice_accuracy(_hf_model(torch_model, folder), items))
+    row = next(r for r in result["methods"] if r["method"].startswith("paper 1: one-shot"))
+    targets = [("attn", layer) for layer in row["alphas"]]
+    expected = choice_accuracy(_hf_model(replaced(torch_model, targets), folder), items)
+    assert row["accuracy"] == pytest.approx(expected)
+    assert row["accuracy_retained"] == pytest.approx(100 * expected / result["baseline"]["accuracy"])
+    assert set(row["also_eval_ppl"]) == {"code.txt"} and row["also_eval_ppl"]["code.txt"] > 1
+    table = plan_table(result)
+    assert "held-out ppl (code.txt)" in table and "accuracy, 40 items (retained)" in table

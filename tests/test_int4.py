@@ -136,7 +136,7 @@ def test_an_int4_builder_folder_goes_through_score_plan_eval_and_bench_and_genai
 
     scored, planned = tmp_path / "scored", tmp_path / "planned"
     assert main(["score", str(built), "-o", str(scored), "--samples", "4", "--seq-len", "32", "--no-progress"]) == 0
-    assert main(["plan", str(scored), "-o", str(planned), "--budget", "attn=1", "--samples", "4", "--search-samples",
+    assert main(["plan", "--accuracy-items", "0", str(scored), "-o", str(planned), "--budget", "attn=1", "--samples", "4", "--search-samples",
                  "2", "--eval-samples", "2", "--fit-samples", "4", "--seq-len", "32", "--extra", "1",
                  "--no-progress"]) == 0
     ops = [n.op_type for n in onnx.load(planned / "model.onnx", load_external_data=False).graph.node]

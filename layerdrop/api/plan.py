@@ -3,6 +3,7 @@ same windows (see `search.planner`)."""
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import time
 from dataclasses import dataclass, field
@@ -39,6 +40,18 @@ from layerdrop.search.selection import attention_count_for, drop_iteratively, lo
 from layerdrop.windows import Sampling, Windows
 
 MOVES = ("drop", "bypass", "shift", "fit", "blocks")
+ACCURACY_ITEMS = 200  # multiple-choice items of the accuracy column
+ACCURACY_CONTEXT, ACCURACY_CONTINUATION = 32, 8  # tokens of an item's context and of each choice
+
+
+@dataclass
+class _HeldOut:
+    """What every row is measured on besides the search windows: the held-out windows, those of the other
+    held-out texts, and the multiple-choice items of the accuracy column (None: no column)."""
+
+    main: Windows
+    others: list[Windows]
+    items: list[dict] | None
 
 
 @dataclass
@@ -99,6 +112,8 @@ def plan(
     progress: bool = True,
     quantize: str | None = None,
     keep_float: bool = False,
+    also_eval: list[Path] | None = None,
+    accuracy_items: int = ACCURACY_ITEMS,
 ) -> dict:
     """Plan the best set of attention moves for a budget and write the chosen model.
 
@@ -108,11 +123,17 @@ def plan(
     part of `calib` (disjoint from its calibration windows, on which means and fits are estimated); the pick is the
     row with the lowest
     search perplexity among those the allowed moves make, and every row is also measured on `eval_text`, which no
-    estimate or choice ever sees (its evaluation part, if it is `calib` itself).
+    estimate or choice ever sees (its evaluation part, if it is `calib` itself), and on each `also_eval` text (other
+    kinds, say). With `accuracy_items` > 0 (and lm-eval installed), every row also gets its accuracy on a
+    multiple-choice task of that many items built from the held-out text (`runtime.tasks`: a window's next
+    tokens against three other windows' ones), run through lm-eval and the `layerdrop` lm-eval model, and that
+    accuracy as a percentage of the baseline's.
 
     Returns:
         {"budget", "attention_layers", "kv_fraction_kept", "moves", "pick": {...}, "methods": [{"method",
-         "alphas", "fits", "shift", "moves", "search_ppl", "eval_ppl"}], "baseline": {...}, "search_seconds",
+         "alphas", "fits", "shift", "moves", "search_ppl", "eval_ppl", "also_eval_ppl": {text: ppl},
+         "accuracy", "accuracy_retained"}], "baseline": {...}, "search_seconds", "also_eval_texts",
+         "accuracy_items", "accuracy_task": [{"context", "choices", "answer"}],
          "search_text", "eval_text", "fit_text", "skipped": [why a default move made no row, e.g. too few
          tokens for a fit]}
 
@@ -136,6 +157,12 @@ def plan(
     search_args = {**session_args, "batch_size": batch_size}  # sessions, and windows per run in every search
     calib_windows, search, held_out = _plan_windows(folder.path, calib, eval_text, samples, search_samples,
                                                     eval_samples, seq_len, sampling)
+    held_out = _HeldOut(held_out, [windows_for(folder.path, text, role="eval", samples=eval_samples,
+                                               seq_len=seq_len, sampling=sampling,
+                                               calibration_sha256=calib_windows.source["sha256"])
+                                   for text in also_eval or []],
+                        _accuracy_rows(folder.path, eval_text, accuracy_items, calib_windows.source["sha256"],
+                                       sampling))
     if kind == "blocks":
         block_scores = {r["layer"]: r["score"] for r in rows if r["kind"] == "block"}
         fit_windows = windows_for(folder.path, calib, role="calib", samples=min(samples, fit_samples),
@@ -195,24 +222,27 @@ def plan(
 
 
 def _finish(model: ir.Model, folder, out_dir: Path, force: bool, budget: str, count: int, layers: int,
-            candidates: list[Candidate], allowed: frozenset, search: Windows, held_out: Windows, started: float,
+            candidates: list[Candidate], allowed: frozenset, search: Windows, held_out: _HeldOut, started: float,
             search_args: dict, fit_windows: Windows | None, log: list[dict], output: tuple,
             skipped: list[str]) -> dict:
     """Measure every candidate, pick the best allowed one on the search windows, write it; the plan's report."""
     table = [_measured(model, folder.path, candidate, search, held_out, search_args) for candidate in candidates]
+    base = _measured(model, folder.path, Candidate("baseline"), search, held_out, search_args)
+    if held_out.items is not None:
+        for row in table:
+            row["accuracy_retained"] = 100.0 * row["accuracy"] / base["accuracy"] if base["accuracy"] else None
     eligible = [row for row, c in zip(table, candidates) if c.moves <= allowed]
     pick_row = min(eligible, key=lambda row: row["search_ppl"])
     pick = candidates[table.index(pick_row)]
     seconds = time.perf_counter() - started
-    baseline = make_session(model, folder=folder.path, provider=search_args["provider"],
-                            threads=search_args["threads"])  # still unmodified here
+    baseline = {key: base[key] for key in ("search_ppl", "eval_ppl", "also_eval_ppl", "accuracy") if key in base}
     result = {"budget": budget, "attention_layers": count, "kv_fraction_kept": (layers - count) / layers,
-              "moves": sorted(allowed),
-              "baseline": {"search_ppl": perplexity(baseline, search.ids).perplexity,
-                           "eval_ppl": perplexity(baseline, held_out.ids).perplexity},
+              "moves": sorted(allowed), "baseline": baseline,
               "methods": table, "pick": pick_row, "search_seconds": seconds, "search_text": search.source,
-              "eval_text": held_out.source, "fit_text": fit_windows.source if fit_windows is not None else None,
-              "skipped": skipped}
+              "eval_text": held_out.main.source, "also_eval_texts": [w.source for w in held_out.others],
+              "accuracy_items": len(held_out.items) if held_out.items is not None else 0,
+              "accuracy_task": held_out.items or [],  # the items, to rerun them through lm-eval elsewhere
+              "fit_text": fit_windows.source if fit_windows is not None else None, "skipped": skipped}
     write_json(model.metadata_props, PLAN_KEY, result)
     result["planner_log"] = log
     chosen = _rewritten(model, pick)
@@ -275,10 +305,12 @@ def _rewritten(model: ir.Model, candidate: Candidate) -> ir.Model:
     return rewritten
 
 
-def _measured(model: ir.Model, folder: Path, candidate: Candidate, search: Windows, held_out: Windows,
+def _measured(model: ir.Model, folder: Path, candidate: Candidate, search: Windows, held_out: _HeldOut,
               search_args: dict) -> dict:
-    """One row of the comparison: the rewritten model's perplexity on the search and the held-out windows."""
-    session = make_session(_rewritten(model, candidate), folder=folder, provider=search_args["provider"],
+    """One row of the comparison: the rewritten model's perplexity on the search and the held-out windows, and its
+    accuracy on the held-out items."""
+    rewritten = _rewritten(model, candidate)
+    session = make_session(rewritten, folder=folder, provider=search_args["provider"],
                            threads=search_args["threads"])
     batch = search_args["batch_size"]
     run = candidate.run
@@ -289,7 +321,40 @@ def _measured(model: ir.Model, folder: Path, candidate: Candidate, search: Windo
             "replaced_into": run.start if run else None,
             "moves": sorted(candidate.moves),
             "search_ppl": perplexity(session, search.ids, batch_size=batch).perplexity,
-            "eval_ppl": perplexity(session, held_out.ids, batch_size=batch).perplexity}
+            "eval_ppl": perplexity(session, held_out.main.ids, batch_size=batch).perplexity,
+            **({"also_eval_ppl": {w.source["file"]: perplexity(session, w.ids, batch_size=batch).perplexity
+                                  for w in held_out.others}} if held_out.others else {}),
+            **({"accuracy": _accuracy(rewritten, folder, held_out.items, search_args)}
+               if held_out.items is not None else {})}
+
+
+def _accuracy_rows(folder: Path, eval_text: Path | None, items: int, calibration_sha256: str,
+                   sampling: Sampling) -> list[dict] | None:
+    """The accuracy column's multiple-choice items from the held-out text, or None (no column: with 0 items, or
+    without lm-eval, which is said on stderr)."""
+    if items <= 0:
+        return None
+    if importlib.util.find_spec("lm_eval") is None:
+        _skip("no accuracy column: lm-eval is not installed (pip install -e '.[eval]'); --accuracy-items 0 "
+              "leaves it out without this note")
+        return None
+    from layerdrop.runtime.tasks import next_tokens_rows
+    from layerdrop.windows import load_tokenizer
+
+    windows = windows_for(folder, eval_text, role="eval", samples=items, sampling=sampling,
+                          seq_len=ACCURACY_CONTEXT + ACCURACY_CONTINUATION, calibration_sha256=calibration_sha256)
+    tokenizer = load_tokenizer(folder)
+    bos = 1 if windows.source.get("bos") else 0  # the BOS is lm-eval's to add, as for any task
+    return next_tokens_rows(windows.ids[:, bos:], tokenizer.decode, ACCURACY_CONTINUATION)
+
+
+def _accuracy(model: ir.Model, folder: Path, items: list[dict], search_args: dict) -> float:
+    from layerdrop.runtime.harness import LayerdropLM
+    from layerdrop.runtime.tasks import choice_accuracy
+
+    lm = LayerdropLM(path=str(folder), model=model, provider=search_args["provider"],
+                     threads=search_args["threads"], batch_size=max(8, search_args["batch_size"]), progress=False)
+    return choice_accuracy(lm, items)
 
 
 def _block_methods(model: ir.Model, folder: Path, block_scores: dict[int, float], count: int, fit_windows: Windows,

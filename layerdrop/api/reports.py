@@ -53,17 +53,31 @@ def side_by_side(bench: dict, method: str, quality: list[dict] | None = None, re
 
 
 def plan_table(result: dict) -> str:
-    """The planner's comparison (markdown): every method at the same budget, search and held-out perplexity."""
+    """The planner's comparison (markdown): every method at the same budget, search and held-out perplexity, the
+    other held-out texts' perplexity and the task accuracy (retained % of the baseline) where measured."""
     count = result["attention_layers"]
+    others = [text["file"] for text in result.get("also_eval_texts", [])]
+    accuracy = bool(result.get("accuracy_items"))
+    head = (["search ppl", "held-out ppl"] + [f"held-out ppl ({name})" for name in others]
+            + ([f"accuracy, {result['accuracy_items']} items (retained)"] if accuracy else []))
     lines = [f"| method ({count} attention layers, KV kept {result['kv_fraction_kept']:.3f}) | layers: alpha "
-             "(0 = drop, or the mean with the shift; fit = fitted map) | search ppl | held-out ppl |",
-             "|---|---|---|---|",
-             f"| baseline | - | {result['baseline']['search_ppl']:.2f} | {result['baseline']['eval_ppl']:.2f} |"]
+             "(0 = drop, or the mean with the shift; fit = fitted map) | " + " | ".join(head) + " |",
+             "|---|---|" + "---|" * len(head)]
+
+    def cells(row: dict, retained: bool) -> str:
+        values = [f"{row['search_ppl']:.2f}", f"{row['eval_ppl']:.2f}"]
+        values += [f"{row['also_eval_ppl'][name]:.2f}" for name in others]
+        if accuracy:
+            share = f" ({row['accuracy_retained']:.1f}%)" if retained and row.get("accuracy_retained") else ""
+            values.append(f"{100 * row['accuracy']:.1f}{share}")
+        return " | ".join(values)
+
+    lines.append(f"| baseline | - | {cells(result['baseline'], False)} |")
     for row in result["methods"]:
         moves = {int(k): f"{v:g}" for k, v in row["alphas"].items()} | {int(k): "fit" for k in row.get("fits", [])}
         alphas = " ".join(f"{k}:{v}" for k, v in sorted(moves.items(), reverse=True))
         name = f"**{row['method']}**" if row == result["pick"] else row["method"]
         if set(row.get("moves", [])) - set(result.get("moves", row.get("moves", []))):
             name += " (outside --moves)"
-        lines.append(f"| {name} | {alphas} | {row['search_ppl']:.2f} | {row['eval_ppl']:.2f} |")
+        lines.append(f"| {name} | {alphas} | {cells(row, True)} |")
     return "\n".join(lines)

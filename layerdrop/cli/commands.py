@@ -186,7 +186,8 @@ def cmd_plan(args) -> int:
                       fit_samples=args.fit_samples, seq_len=args.seq_len, sampling=sampling(args),
                       batch_size=args.batch_size, extra=args.extra, moves=args.moves, shift=args.shift,
                       force=args.force, progress=_progress(args), quantize=args.quantize,
-                      keep_float=args.keep_float, **_runtime(args))
+                      keep_float=args.keep_float, also_eval=args.also_eval,
+                      accuracy_items=args.accuracy_items, **_runtime(args))
     print(plan_table(result))
     print(f"pick: {result['pick']['method']}; search took {result['search_seconds']:.0f} s; written to {args.output}")
     if args.json:

@@ -81,6 +81,17 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
+def parse_items(text: str) -> int:
+    """0 (none) or a number of multiple-choice items, at least 4 (an item's wrong choices come from 3 others)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise LayerdropError(f"--accuracy-items {text!r} is not a whole number") from None
+    if value != 0 and value < 4:
+        raise LayerdropError(f"--accuracy-items {value}: give 0 (no accuracy column) or at least 4")
+    return value
+
+
 def parse_count(text: str) -> int:
     """A positive module count."""
     try:

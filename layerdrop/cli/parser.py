@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from layerdrop import __version__
-from layerdrop.cli.options import parse_alphas, parse_bytes, parse_count, parse_generation, parse_provider
+from layerdrop.cli.options import parse_alphas, parse_bytes, parse_count, parse_generation, parse_items, parse_provider
 
 
 class _Parser(argparse.ArgumentParser):
@@ -205,6 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib", type=Path, help="text for scores and the search: a file, a folder or a bundled text "
                    "(calib, prose, eval, docs, code; default: calib, the mixed one)")
     p.add_argument("--eval", type=Path, help="held-out text for the comparison table (default: the bundled eval)")
+    p.add_argument("--also-eval", type=Path, action="append", default=[], metavar="TEXT",
+                   help="another held-out text for a column of its own (repeatable; e.g. --also-eval docs)")
+    p.add_argument("--accuracy-items", type=parse_items, default=200, help="multiple-choice items built from the "
+                   "held-out text for the accuracy column, run through lm-eval (0: no column; needs the eval extra)")
     p.add_argument("--samples", type=parse_count, default=64, help="scoring windows (if the model is unscored)")
     p.add_argument("--search-samples", type=parse_count, default=8, help="windows of search text per evaluation")
     p.add_argument("--eval-samples", type=parse_count, default=32)

@@ -64,14 +64,19 @@ class LayerdropLM(TemplateLM):
         add_bos_token: bool | str | None = None,
         threads: int | None = None,
         progress: bool = True,
+        model=None,
         **_ignored,
     ) -> None:
+        """`model`: an in-memory rewrite (an ir.Model) of the folder's graph to run instead of the folder's own
+        model.onnx; the folder still gives the tokenizer, the config and the weights' files."""
         super().__init__()
         path = path or pretrained
         if not path:
             raise LayerdropError("give the model folder: --model_args path=OUTDIR")
-        # one read of the graph: checked (external data, with clear errors) and run as it was written
-        self.folder, model = model_folder.load(Path(path))
+        if model is None:  # one read of the graph: checked (external data, with clear errors), run as written
+            self.folder, model = model_folder.load(Path(path))
+        else:
+            self.folder = model_folder.resolve(Path(path))
         if provider is None:
             provider = "cuda" if device and str(device).startswith("cuda") else "cpu"
         self.session = make_session(model, folder=self.folder.path, provider=provider,
