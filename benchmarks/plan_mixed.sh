@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Issue 16: the planner at attn=8 on SmolLM2, calibrated on the bundled mixed-kind text (the default), every row
+# also evaluated on texts of other kinds and on the next-tokens multiple-choice task from the held-out prose.
+#
+#   bash benchmarks/plan_mixed.sh [EXPORT] [OUT] [TEXT]
+#
+# EXPORT: a SmolLM2 export (default: bench-out/smollm2/pipeline/export, from benchmarks/model_table.py);
+# TEXT: the calibration text (default calib, the mixed one; `prose` gives the cross-kind run of the README).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export_dir=${1:-bench-out/smollm2/pipeline/export}
+out=${2:-bench-out/plan-mixed}
+text=${3:-calib}
+mkdir -p "$out"
+layerdrop score "$export_dir" -o "$out/scored" --calib "$text" --threads 2 --no-progress --force \
+    --json "$out/score.json"
+/usr/bin/time -v layerdrop plan "$out/scored" -o "$out/plan" --budget attn=8 --calib "$text" \
+    --also-eval docs --also-eval code --threads 2 --force --json "$out/plan.json" 2> "$out/plan.log" \
+    | tee "$out/plan.md"
+grep -E "Elapsed|Maximum resident" "$out/plan.log"
