@@ -16,24 +16,23 @@ from layerdrop.runtime.feeds import is_kv_graph, prefill_feed
 def right_pad(sequences: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     """Token ids [batch, longest] padded on the right with `pad_id`, and the mask that excludes the padding: every
     row's tokens keep positions 0, 1, ..., so a causal graph scores them as if alone, whatever its attention op."""
-    longest = max(len(s) for s in sequences)
-    ids = np.full((len(sequences), longest), pad_id, dtype=np.int64)
-    mask = np.zeros_like(ids)
-    for row, sequence in enumerate(sequences):
-        ids[row, :len(sequence)] = sequence
-        mask[row, :len(sequence)] = 1
-    return ids, mask
+    return _pad(sequences, pad_id, left=False)
 
 
 def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     """Token ids [batch, longest] padded on the left with `pad_id`, and the mask that excludes the padding."""
+    return _pad(sequences, pad_id, left=True)
+
+
+def _pad(sequences: list[list[int]], pad_id: int, left: bool) -> tuple[np.ndarray, np.ndarray]:
     longest = max(len(s) for s in sequences)
     ids = np.full((len(sequences), longest), pad_id, dtype=np.int64)
     mask = np.zeros_like(ids)
     for row, sequence in enumerate(sequences):
         if sequence:
-            ids[row, longest - len(sequence):] = sequence
-            mask[row, longest - len(sequence):] = 1
+            cells = slice(longest - len(sequence), None) if left else slice(0, len(sequence))
+            ids[row, cells] = sequence
+            mask[row, cells] = 1
     return ids, mask
 
 
