@@ -60,7 +60,8 @@ def main() -> None:
             table.append((f"{kind}-{n} one-shot", ppl(lowest((kind,), n))))
     table.append(("joint-8 one-shot", ppl(lowest(("attn", "mlp"), 8))))
     scratch = copy_model(model)
-    calib = api.windows_for(folder.path, Path("prose"), role="calib", samples=16, seq_len=args.seq_len, sampling=sampling)
+    calib = api.windows_for(folder.path, Path("prose"), role="calib", samples=16, seq_len=args.seq_len,
+                            sampling=sampling)
     drop_iteratively(scratch, folder.path, calib, ("attn",), 8, "cpu", args.threads, True)
     iterative = [(e["kind"], e["layer"]) for e in removed_modules(scratch)]
     table.append(("attn-8 iterative", ppl(iterative)))

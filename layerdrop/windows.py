@@ -63,7 +63,8 @@ def bundled_text(part: str) -> Path:
 
 def resolve_text(text: Path | str | None, role: str = "calib") -> Path:
     """The file a text argument names: the role's bundled default for None, an existing path as it is, else a bundled
-    text's name (`BUNDLED`: calib, prose, eval, docs, code); anything else is returned for `TextSource.open` to refuse."""
+    text's name (`BUNDLED`: calib, prose, eval, docs, code); anything else is returned for `TextSource.open` to
+    refuse."""
     if text is None:
         return bundled_text("eval" if role == "eval" else "calib")
     path = Path(text)

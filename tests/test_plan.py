@@ -14,12 +14,14 @@ from tests.helpers import ort_logits
 from tests.torch_reference import VOCAB, logits, tiny_model
 from tests.torch_reference import planned as planned_reference
 
+NO_TASK = ["--accuracy-items", "0"]  # plan without the accuracy column: the lm-eval task is tested once
+
 
 @pytest.fixture(scope="module")
 def planned(exported, tmp_path_factory):
     out = tmp_path_factory.mktemp("plan") / "model"
     report = tmp_path_factory.mktemp("plan-json") / "plan.json"
-    code = main(["plan", "--accuracy-items", "0", str(exported("llama", True)), "-o", str(out), "--budget", "kv=0.5", "--samples", "4",
+    code = main(["plan", *NO_TASK, str(exported("llama", True)), "-o", str(out), "--budget", "kv=0.5", "--samples", "4",
                  "--search-samples", "2", "--eval-samples", "2", "--seq-len", "32", "--extra", "1",
                  "--moves", "drop,bypass,shift", "--json", str(report), "--no-progress"])
     assert code == 0
@@ -78,7 +80,7 @@ def test_the_shifted_planner_is_compared_with_the_same_moves_unshifted(planned):
 
 def test_no_shift_plans_with_the_papers_moves_only(exported, tmp_path, rng):
     report = tmp_path / "plan.json"
-    code = main(["plan", "--accuracy-items", "0", str(exported("llama", True)), "-o", str(tmp_path / "model"), "--budget", "attn=1",
+    code = main(["plan", *NO_TASK, str(exported("llama", True)), "-o", str(tmp_path / "model"), "--budget", "attn=1",
                  "--samples", "4", "--search-samples", "2", "--eval-samples", "2", "--seq-len", "32", "--extra",
                  "1", "--no-shift", "--moves", "drop,bypass", "--json", str(report), "--no-progress"])
     assert code == 0
@@ -95,7 +97,7 @@ def test_no_shift_plans_with_the_papers_moves_only(exported, tmp_path, rng):
                                             ("kv=1.5", "fraction"), ("speed=2", "use attn=N"),
                                             ("attn=x", "not a number")])
 def test_bad_budget_is_refused(exported, tmp_path, capsys, budget, message):
-    code = main(["plan", "--accuracy-items", "0", str(exported("llama", True)), "-o", str(tmp_path / "p"), "--budget", budget])
+    code = main(["plan", *NO_TASK, str(exported("llama", True)), "-o", str(tmp_path / "p"), "--budget", budget])
     assert code == 2 and message in capsys.readouterr().err
 
 
@@ -106,7 +108,7 @@ def test_fit_moves_plan_fitted_layers_equal_to_torch(exported, tmp_path, rng):
 
     folder = exported("llama", True)
     report = tmp_path / "plan.json"
-    code = main(["plan", "--accuracy-items", "0", str(folder), "-o", str(tmp_path / "model"), "--budget", "attn=2", "--samples", "4",
+    code = main(["plan", *NO_TASK, str(folder), "-o", str(tmp_path / "model"), "--budget", "attn=2", "--samples", "4",
                  "--search-samples", "2", "--eval-samples", "2", "--seq-len", "32", "--moves", "fit",
                  "--json", str(report), "--no-progress"])
     assert code == 0
@@ -123,7 +125,7 @@ def test_fit_moves_plan_fitted_layers_equal_to_torch(exported, tmp_path, rng):
 
 
 def test_unknown_move_words_are_refused(exported, tmp_path, capsys):
-    code = main(["plan", "--accuracy-items", "0", str(exported("llama", True)), "-o", str(tmp_path / "p"), "--budget", "attn=1",
+    code = main(["plan", *NO_TASK, str(exported("llama", True)), "-o", str(tmp_path / "p"), "--budget", "attn=1",
                  "--moves", "drop,teleport"])
     assert code == 2 and "bad --moves 'drop,teleport'" in capsys.readouterr().err
 
@@ -133,7 +135,7 @@ def test_a_blocks_budget_compares_shortgpt_and_replaceme_and_writes_the_pick(exp
 
     folder = exported("llama", True)
     report = tmp_path / "plan.json"
-    code = main(["plan", "--accuracy-items", "0", str(folder), "-o", str(tmp_path / "model"), "--budget", "blocks=1", "--samples", "4",
+    code = main(["plan", *NO_TASK, str(folder), "-o", str(tmp_path / "model"), "--budget", "blocks=1", "--samples", "4",
                  "--search-samples", "2", "--eval-samples", "2", "--seq-len", "32", "--json", str(report),
                  "--no-progress"])
     assert code == 0
@@ -157,7 +159,7 @@ def test_a_blocks_budget_compares_shortgpt_and_replaceme_and_writes_the_pick(exp
 @pytest.mark.parametrize("args", [["--budget", "blocks=1", "--moves", "drop"], ["--budget", "attn=1", "--moves",
                                                                               "blocks"]])
 def test_moves_that_cannot_meet_the_budget_are_refused(exported, tmp_path, capsys, args):
-    code = main(["plan", "--accuracy-items", "0", str(exported("llama", True)), "-o", str(tmp_path / "p"), *args])
+    code = main(["plan", *NO_TASK, str(exported("llama", True)), "-o", str(tmp_path / "p"), *args])
     assert code == 2 and "cannot meet this budget" in capsys.readouterr().err
 
 
@@ -167,17 +169,18 @@ def test_default_moves_leave_out_fits_the_windows_cannot_support(exported, tmp_p
     folder = exported("llama", True)
     few = ["--samples", "1", "--search-samples", "1", "--eval-samples", "1", "--seq-len", "8", "--no-progress"]
     report = tmp_path / "plan.json"
-    code = main(["plan", "--accuracy-items", "0", str(folder), "-o", str(tmp_path / "model"), "--budget", "attn=1", "--extra", "1",
+    code = main(["plan", *NO_TASK, str(folder), "-o", str(tmp_path / "model"), "--budget", "attn=1", "--extra", "1",
                  "--json", str(report), *few])
     assert code == 0
     result = json.loads(report.read_text())
     assert "fit" not in result["moves"] and not any(row["fits"] for row in result["methods"])
     assert len(result["skipped"]) == 1 and "a fit needs at least" in result["skipped"][0]
     assert "note: fit rows left out" in capsys.readouterr().err
-    code = main(["plan", "--accuracy-items", "0", str(folder), "-o", str(tmp_path / "fit"), "--budget", "attn=1", "--moves", "fit", *few])
+    code = main(["plan", *NO_TASK, str(folder), "-o", str(tmp_path / "fit"), "--budget", "attn=1", "--moves", "fit",
+                 *few])
     assert code == 2 and "a fit needs at least" in capsys.readouterr().err
     assert not (tmp_path / "fit").exists()
-    code = main(["plan", "--accuracy-items", "0", str(folder), "-o", str(tmp_path / "blocks"), "--budget", "blocks=1", "--json",
+    code = main(["plan", *NO_TASK, str(folder), "-o", str(tmp_path / "blocks"), "--budget", "blocks=1", "--json",
                  str(report), *few])
     assert code == 0
     result = json.loads(report.read_text())
@@ -187,7 +190,7 @@ def test_default_moves_leave_out_fits_the_windows_cannot_support(exported, tmp_p
 
 def test_the_plan_says_which_phase_it_is_in(exported, tmp_path, capsys):
     """With progress on, each phase is announced on stderr with its number, in the order the planner runs them."""
-    code = main(["plan", "--accuracy-items", "0", str(exported("llama", True)), "-o", str(tmp_path / "model"), "--budget", "attn=1",
+    code = main(["plan", *NO_TASK, str(exported("llama", True)), "-o", str(tmp_path / "model"), "--budget", "attn=1",
                  "--samples", "4", "--search-samples", "1", "--eval-samples", "1", "--seq-len", "32", "--extra", "1",
                  "--json", str(tmp_path / "plan.json")])
     assert code == 0
@@ -196,3 +199,23 @@ def test_the_plan_says_which_phase_it_is_in(exported, tmp_path, capsys):
     assert [p.split("]")[0] for p in phases] == [f"layerdrop plan: [{i}/4" for i in (1, 2, 3, 4)]
     assert "papers' methods" in phases[0] and "planner's search" in phases[1] and "fitted maps" in phases[2]
     assert f"measuring {rows} rows" in phases[3]
+
+
+def test_a_speedup_budget_can_be_met_with_whole_blocks(exported, tmp_path, capsys):
+    """`--budget speedup=X --moves blocks`: the fewest lowest-scored blocks whose profiled time reaches X (one for a
+    speedup just above 1), compared as ShortGPT and ReplaceMe rows; a speedup no blocks reach is refused."""
+    folder = exported("llama", True)
+    report = tmp_path / "plan.json"
+    small = ["--samples", "4", "--search-samples", "2", "--eval-samples", "2", "--seq-len", "32", "--no-progress"]
+    code = main(["plan", *NO_TASK, str(folder), "-o", str(tmp_path / "model"), "--budget", "speedup=1.0001@32",
+                 "--moves", "blocks", "--json", str(report), *small])
+    assert code == 0
+    result = json.loads(report.read_text())
+    assert result["attention_layers"] == 1 and result["moves"] == ["blocks"]
+    assert [row["method"] for row in result["methods"]] == ["ShortGPT-style block drop of the lowest block scores",
+                                                            "ReplaceMe: its selection and fitted transform"]
+    assert len(api.inspect(tmp_path / "model")["kv_layers"]) == 3
+    code = main(["plan", *NO_TASK, str(folder), "-o", str(tmp_path / "far"), "--budget", "speedup=1000@32",
+                 "--moves", "blocks", *small])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "out of reach by removing whole blocks" in err[-1] and not (tmp_path / "far").exists()

@@ -36,7 +36,14 @@ from layerdrop.search.blocks import BlockFit, replaceme, with_replaced_run
 from layerdrop.search.fit import fit_attention
 from layerdrop.search.measure import branch_means
 from layerdrop.search.planner import bypass_search, candidate_pool, plan_attention
-from layerdrop.search.selection import attention_count_for, drop_iteratively, lowest_layers, parse_budget, select_lowest
+from layerdrop.search.selection import (
+    attention_count_for,
+    count_for_speedup,
+    drop_iteratively,
+    lowest_layers,
+    parse_budget,
+    select_lowest,
+)
 from layerdrop.windows import Sampling, Windows
 
 MOVES = ("drop", "bypass", "shift", "fit", "blocks")
@@ -69,23 +76,24 @@ class Candidate:
 
 
 def parse_moves(text: str | None, budget_kind: str = "attn") -> frozenset:
-    """'drop,bypass' -> the move words allowed; by default every attention move, or `blocks` for a blocks budget.
+    """'drop,bypass' -> the move words allowed; by default every attention move, or `blocks` for a blocks budget
+    (a speedup budget takes either: `--moves blocks` meets it with whole blocks).
 
     Raises:
         LayerdropError: an unknown word, or moves that cannot meet the kind of budget.
     """
-    blocks = budget_kind == "blocks"
+    words = {w.strip() for w in (text or "").split(",") if w.strip()}
+    blocks = budget_kind == "blocks" or (budget_kind == "speedup" and "blocks" in words)
     if text is None:
         return frozenset({"blocks"}) if blocks else frozenset(MOVES) - {"blocks"}
-    words = {w.strip() for w in text.split(",") if w.strip()}
     unknown = sorted(words - set(MOVES))
     if unknown or not words:
         raise LayerdropError(f"bad --moves {text!r}: use words of {', '.join(MOVES)} (e.g. --moves drop,bypass)")
     if "shift" in words and not words & {"drop", "bypass"}:
         raise LayerdropError("--moves shift shifts drop or bypass moves; add drop or bypass")
     if blocks != ("blocks" in words) or (not blocks and not words - {"blocks"}):
-        raise LayerdropError(f"--moves {text} cannot meet this budget: blocks=N takes the blocks move, the other "
-                             "budgets drop, bypass, shift or fit")
+        raise LayerdropError(f"--moves {text} cannot meet this budget: blocks=N takes the blocks move, attn and kv "
+                             "budgets drop, bypass, shift or fit, speedup either the blocks move alone or the others")
     return frozenset(words) & ({"blocks"} if blocks else set(MOVES) - {"blocks"})
 
 
@@ -152,7 +160,12 @@ def plan(
                                         sampling=sampling, provider=provider, threads=threads,
                                         progress=progress)["regions"]
     scores = {r["layer"]: r["score"] for r in rows if r["kind"] == "attn"}
-    count = attention_count_for(kind, value, seq, model, folder.path, scores, threads)
+    blocks_mode = "blocks" in allowed  # a blocks budget, or a speedup met with whole blocks
+    block_scores = {r["layer"]: r["score"] for r in rows if r["kind"] == "block"}
+    if blocks_mode and kind == "speedup":
+        count = count_for_speedup(value, seq, model, folder.path, block_scores, threads, ("attn", "mlp"))
+    else:
+        count = attention_count_for(kind, value, seq, model, folder.path, scores, threads)
     session_args = {"provider": provider, "threads": threads}
     search_args = {**session_args, "batch_size": batch_size}  # sessions, and windows per run in every search
     calib_windows, search, held_out = _plan_windows(folder.path, calib, eval_text, samples, search_samples,
@@ -163,8 +176,7 @@ def plan(
                                    for text in also_eval or []],
                         _accuracy_rows(folder.path, eval_text, accuracy_items, calib_windows.source["sha256"],
                                        sampling))
-    if kind == "blocks":
-        block_scores = {r["layer"]: r["score"] for r in rows if r["kind"] == "block"}
+    if blocks_mode:
         fit_windows = windows_for(folder.path, calib, role="calib", samples=min(samples, fit_samples),
                                   seq_len=seq_len, sampling=sampling)
         skipped = []

@@ -35,7 +35,8 @@ def _text_options(parser: argparse.ArgumentParser, flag: str | None, what: str, 
 
     if flag:
         parser.add_argument(flag, type=Path, default=None, help=f"{what} text: a UTF-8 file, a .jsonl file, a "
-                            "folder of them, or a bundled text (calib, prose, eval, docs, code; default: the bundled text)")
+                            "folder of them, or a bundled text (calib, prose, eval, docs, code; default: the bundled "
+                            "text)")
         parser.add_argument("--samples", type=parse_count, default=samples or DEFAULT_SAMPLES, help="windows to use")
         parser.add_argument("--seq-len", type=parse_count, default=DEFAULT_SEQ_LEN,
                             help="text tokens per window (a BOS comes first where the tokenizer adds one)")

@@ -104,21 +104,38 @@ def attention_count_for(kind: str, value: float, seq: int | None, model: ir.Mode
                         scores: dict[int, float], threads: int | None) -> int:
     """How many attention layers a budget asks to remove or bypass (the lowest-scored first for a speedup: until
     the profile-based ideal reaches it)."""
-    from layerdrop.runtime.bench import node_times
-
     layers = len(scores)
     if kind in ("attn", "blocks"):
         return int(value)
     if kind == "kv":
         return max(1, math.ceil(layers * (1 - value) - 1e-9))
+    return count_for_speedup(value, seq, model, folder, scores, threads, ("attn",))
+
+
+def count_for_speedup(value: float, seq: int | None, model: ir.Model, folder: Path, scores: dict[int, float],
+                      threads: int | None, kinds: tuple[str, ...]) -> int:
+    """The fewest lowest-scored modules whose removal reaches a prefill speedup of `value` at `seq` tokens by
+    per-node profile times: attention branches (`kinds` ("attn",)), or whole blocks (("attn", "mlp"): a block's
+    time is its two branches'; `scores` are then block scores). Leaves out ReplaceMe's folded map (no node).
+
+    Raises:
+        LayerdropError: even every module does not reach it.
+    """
+    from layerdrop.runtime.bench import node_times
+
     times = node_times(folder, seq or 1024, runs=2, threads=threads)
-    branch_time = {r.layer: sum(times.get(n.name, 0.0) for n in r.branch)
-                   for r in annotated_regions(model) if r.kind == "attn"}
+    module_time: dict[int, float] = {}
+    for region in annotated_regions(model):
+        if region.kind in kinds:
+            module_time[region.layer] = module_time.get(region.layer, 0.0) + sum(
+                times.get(n.name, 0.0) for n in region.branch)
     total = sum(times.values())
     saved = 0.0
-    for count, layer in enumerate(lowest_layers(scores, layers), start=1):
-        saved += branch_time.get(layer, 0.0)
+    allowed = lowest_layers(scores, len(scores))[:len(scores) - 1 if len(kinds) > 1 else len(scores)]
+    for count, layer in enumerate(allowed, start=1):
+        saved += module_time.get(layer, 0.0)
         if total / max(total - saved, 1e-9) >= value:
             return count
-    raise LayerdropError(f"--budget speedup={value} is out of reach by removing attention alone "
-                         f"(all {layers} layers give {total / max(total - saved, 1e-9):.2f}x)")
+    what = "whole blocks (one must stay)" if len(kinds) > 1 else "attention alone"
+    raise LayerdropError(f"--budget speedup={value:g} is out of reach by removing {what}: all {len(allowed)} give "
+                         f"{total / max(total - saved, 1e-9):.2f}x; ask for less")
