@@ -98,7 +98,7 @@ def build_mixed(prose: str, job: str, stdlib: Path) -> str:
     """calib.txt: narrative prose, a dialogue in verse, technical writing and code, alternating in ~3 KB runs.
 
     `prose` is the bundled prose.txt (Persuasion), `job` the Book of Job as the Debian `bible` program prints it.
-    Every period of the window layout (16-160 KiB) so holds all four kinds in its calibration and search parts.
+    The kinds alternate every ~12 KB, finer than a period of the window layout (16-160 KiB).
     """
     docs = []
     for name in MIXED_DOC_MODULES:

@@ -336,7 +336,7 @@ def _measured(model: ir.Model, folder: Path, candidate: Candidate, search: Windo
             "eval_ppl": perplexity(session, held_out.main.ids, batch_size=batch).perplexity,
             **({"also_eval_ppl": {w.source["file"]: perplexity(session, w.ids, batch_size=batch).perplexity
                                   for w in held_out.others}} if held_out.others else {}),
-            **({"accuracy": _accuracy(rewritten, folder, held_out.items, search_args)}
+            **({"accuracy": _accuracy(rewritten, session, folder, held_out.items, search_args)}
                if held_out.items is not None else {})}
 
 
@@ -360,12 +360,13 @@ def _accuracy_rows(folder: Path, eval_text: Path | None, items: int, calibration
     return next_tokens_rows(windows.ids[:, bos:], tokenizer.decode, ACCURACY_CONTINUATION)
 
 
-def _accuracy(model: ir.Model, folder: Path, items: list[dict], search_args: dict) -> float:
+def _accuracy(model: ir.Model, session, folder: Path, items: list[dict], search_args: dict) -> float:
+    """lm-eval's accuracy on the items, through the `layerdrop` lm-eval model on the row's own session."""
     from layerdrop.runtime.harness import LayerdropLM
     from layerdrop.runtime.tasks import choice_accuracy
 
-    lm = LayerdropLM(path=str(folder), model=model, provider=search_args["provider"],
-                     threads=search_args["threads"], batch_size=max(8, search_args["batch_size"]), progress=False)
+    lm = LayerdropLM(path=str(folder), model=model, session=session, batch_size=max(8, search_args["batch_size"]),
+                     progress=False)
     return choice_accuracy(lm, items)
 
 

@@ -65,10 +65,12 @@ class LayerdropLM(TemplateLM):
         threads: int | None = None,
         progress: bool = True,
         model=None,
+        session=None,
         **_ignored,
     ) -> None:
         """`model`: an in-memory rewrite (an ir.Model) of the folder's graph to run instead of the folder's own
-        model.onnx; the folder still gives the tokenizer, the config and the weights' files."""
+        model.onnx, and `session`, if given, an ONNX Runtime session already built from it; the folder still gives
+        the tokenizer, the config and the weights' files."""
         super().__init__()
         path = path or pretrained
         if not path:
@@ -79,8 +81,8 @@ class LayerdropLM(TemplateLM):
             self.folder = model_folder.resolve(Path(path))
         if provider is None:
             provider = "cuda" if device and str(device).startswith("cuda") else "cpu"
-        self.session = make_session(model, folder=self.folder.path, provider=provider,
-                                    threads=int(threads) if threads else None)
+        self.session = session or make_session(model, folder=self.folder.path, provider=provider,
+                                               threads=int(threads) if threads else None)
         self._padded_batches = takes_padded_batches(model)
         self.tokenizer = load_tokenizer(self.folder.path)
         config = model_folder.config(self.folder.path)
