@@ -65,16 +65,22 @@ def docstrings(name: str, source: str) -> list[str]:
 def build() -> dict[str, str]:
     """{"docs.txt": text, "code.txt": text} from this Python's standard library."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    docs = []
-    for name in DOC_MODULES:
-        docs += docstrings(name, (stdlib / f"{name}.py").read_text(encoding="utf-8"))
-    code = [f"# ---- Lib/{name}.py ----\n\n" + (stdlib / f"{name}.py").read_text(encoding="utf-8").strip() + "\n"
-            for name in CODE_MODULES]
+    docs, code = _stdlib_parts(stdlib, DOC_MODULES, CODE_MODULES)
     texts = {}
     for file_name, parts in (("docs.txt", docs), ("code.txt", code)):
         text = "\n\n".join(p.strip() for p in parts) + "\n"
         texts[file_name] = "\n".join(line.rstrip() for line in text.split("\n"))
     return texts
+
+
+def _stdlib_parts(stdlib: Path, doc_modules: tuple, code_modules: tuple) -> tuple[list[str], list[str]]:
+    """The docstrings of `doc_modules` (each under a heading) and the whole source of `code_modules`."""
+    docs = []
+    for name in doc_modules:
+        docs += docstrings(name, (stdlib / f"{name}.py").read_text(encoding="utf-8"))
+    code = [f"# ---- Lib/{name}.py ----\n\n" + (stdlib / f"{name}.py").read_text(encoding="utf-8").strip() + "\n"
+            for name in code_modules]
+    return docs, code
 
 
 def _runs(text: str, share: int, chunk: int) -> list[str]:
@@ -100,11 +106,7 @@ def build_mixed(prose: str, job: str, stdlib: Path) -> str:
     `prose` is the bundled prose.txt (Persuasion), `job` the Book of Job as the Debian `bible` program prints it.
     The kinds alternate every ~12 KB, finer than a period of the window layout (16-160 KiB).
     """
-    docs = []
-    for name in MIXED_DOC_MODULES:
-        docs += docstrings(name, (stdlib / f"{name}.py").read_text(encoding="utf-8"))
-    code = [f"# ---- Lib/{name}.py ----\n\n" + (stdlib / f"{name}.py").read_text(encoding="utf-8").strip() + "\n"
-            for name in MIXED_CODE_MODULES]
+    docs, code = _stdlib_parts(stdlib, MIXED_DOC_MODULES, MIXED_CODE_MODULES)
     kinds = [_runs(text, MIXED_SHARE, MIXED_CHUNK)
              for text in (prose, job.strip("\n"), "\n\n".join(p.strip() for p in docs), "\n\n".join(code))]
     runs = [kind[i] for i in range(max(map(len, kinds))) for kind in kinds if i < len(kind)]

@@ -301,15 +301,11 @@ def test_an_unknown_text_name_lists_the_bundled_ones(exported, capsys):
 def test_the_standard_library_texts_are_rebuilt_byte_for_byte():
     """scripts/build_bundled_texts.py with the Python the files were made with gives the shipped bytes."""
     import hashlib
-    import importlib.util
     import sys
 
     if sys.version.split()[0] != "3.11.7":
         pytest.skip("the shipped texts were made from CPython 3.11.7's standard library")
-    script = Path(__file__).resolve().parent.parent / "scripts" / "build_bundled_texts.py"
-    spec = importlib.util.spec_from_file_location("build_bundled_texts", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _build_script()
     source = (Path(__file__).resolve().parent.parent / "layerdrop" / "data" / "SOURCE.md").read_text()
     for file_name, text in module.build().items():
         shipped = bundled_text(file_name[:-4]).read_bytes()
@@ -331,8 +327,7 @@ def test_the_default_calibration_text_mixes_kinds_and_keeps_the_evaluation_texts
         assert len(shared) < 5, (held_out, shared[:5])  # a licence line may recur, no passage does
     builder = _build_script()
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    docs = {line for name in builder.MIXED_DOC_MODULES
-            for part in builder.docstrings(name, (stdlib / f"{name}.py").read_text(encoding="utf-8"))
+    docs = {line for part in builder._stdlib_parts(stdlib, builder.MIXED_DOC_MODULES, ())[0]
             for line in part.split("\n")}
     prose = set(bundled_text("prose").read_text(encoding="utf-8").split("\n"))
 

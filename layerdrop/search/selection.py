@@ -131,11 +131,12 @@ def count_for_speedup(value: float, seq: int | None, model: ir.Model, folder: Pa
                 times.get(n.name, 0.0) for n in region.branch)
     total = sum(times.values())
     saved = 0.0
-    allowed = lowest_layers(scores, len(scores))[:len(scores) - 1 if len(kinds) > 1 else len(scores)]
+    blocks = len(kinds) > 1
+    allowed = lowest_layers(scores, len(scores) - blocks)  # a block must stay
     for count, layer in enumerate(allowed, start=1):
         saved += module_time.get(layer, 0.0)
         if total / max(total - saved, 1e-9) >= value:
             return count
-    what = "whole blocks (one must stay)" if len(kinds) > 1 else "attention alone"
+    what = "whole blocks (one must stay)" if blocks else "attention alone"
     raise LayerdropError(f"--budget speedup={value:g} is out of reach by removing {what}: all {len(allowed)} give "
                          f"{total / max(total - saved, 1e-9):.2f}x; ask for less")
