@@ -9,6 +9,7 @@ python benchmarks/model_table.py --model smollm2-135m --out "$out/smollm2"
 python benchmarks/model_table.py --model gemma3-270m --out "$out/gemma3" \
     --plan-args "--extra 2 --search-samples 4 --fit-samples 16"
 bash benchmarks/plan_mixed.sh "$out/smollm2/pipeline/export" "$out/plan-mixed"        # the mixed default text
+bash benchmarks/plan_speedup.sh "$out/plan-mixed/scored" "$out/plan-speedup"  # a 25% speedup, blocks allowed
 python benchmarks/bench_scoring.py --model "$out/gemma3/pipeline/export" --hf "$cache/gemma-3-270m" \
     --json "$out/scoring-gemma3.json"
 python benchmarks/big_text.py --model "$out/smollm2/pipeline/export" --json "$out/big_text.json"

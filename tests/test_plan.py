@@ -219,3 +219,46 @@ def test_a_speedup_budget_can_be_met_with_whole_blocks(exported, tmp_path, capsy
                  "--moves", "blocks", *small])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and "out of reach by removing whole blocks" in err[-1] and not (tmp_path / "far").exists()
+
+
+def test_a_speedup_budget_mixes_a_fitted_run_with_fitted_attention(exported, tmp_path, monkeypatch):
+    """`--budget speedup=X --moves blocks,fit`: besides the attention rows and the block rows, a row with
+    ReplaceMe's run of fewer blocks and the lowest-scored attention layers outside it fitted on the model with the
+    run in place, sized by the profile; its perplexity is PyTorch's with the run and the map fitted independently
+    (numpy's lstsq on PyTorch hooks), and every row has its KV share and a measured speedup."""
+    from layerdrop.api.reports import plan_table
+    from layerdrop.search.selection import SpeedupProfile
+    from tests.torch_reference import fitted, hook_scores, replaceme_reference
+    from tests.torch_reference import perplexity as torch_perplexity
+
+    # a profile with fixed times (the real one is noisy at this size): attention 10%, MLP 5% of each prefill
+    modules = {("attn", k): 10.0 for k in range(4)} | {("mlp", k): 5.0 for k in range(4)}
+    monkeypatch.setattr(SpeedupProfile, "of", classmethod(lambda cls, *args: cls(32, 100.0, modules)))
+    folder = exported("llama", True)
+    report = tmp_path / "plan.json"
+    # 1.3x: attention alone needs 3 layers (70 left), blocks alone 2 (70 left), a run of 1 block + 1 layer (75 left)
+    code = main(["plan", *NO_TASK, str(folder), "-o", str(tmp_path / "model"), "--budget", "speedup=1.3@32",
+                 "--moves", "blocks,fit", "--samples", "4", "--search-samples", "2", "--eval-samples", "2",
+                 "--seq-len", "32", "--speedup-runs", "2", "--json", str(report), "--no-progress"])
+    assert code == 0
+    result = json.loads(report.read_text())
+    assert result["attention_layers"] == 3 and result["block_count"] == 2 and result["speedup_tokens"] == 32
+    rows = {row["method"]: row for row in result["methods"]}
+    mixed = rows.pop("ReplaceMe's run of 1 blocks, attention fit on 1 lowest-scored")
+    assert {"ShortGPT-style block drop of the lowest block scores", "ReplaceMe: its selection and fitted transform",
+            "attention fit on the lowest-scored layers", "paper 1: iterative drop"} <= set(rows)
+    windows = api.windows_for(folder, None, role="calib", samples=4, seq_len=32)
+    reference, start, _ = replaceme_reference(tiny_model("llama"), windows.ids, 1, mixed["run_ridge"])
+    assert mixed["replaced_into"] == start and mixed["blocks"] == [start + 1] and mixed["moves"] == ["blocks", "fit"]
+    scores = hook_scores(tiny_model("llama"), windows.ids)  # the plan scored the unscored model on these windows
+    lowest = min((s, layer) for (kind, layer), s in scores.items() if kind == "attn" and layer != start + 1)[1]
+    assert mixed["fits"] == [lowest] and mixed["kv_kept"] == 0.5
+    reference, _ = fitted(reference, windows.ids, [lowest], mixed["ridges"][str(lowest)])
+    search = api.windows_for(folder, None, role="search", samples=2, seq_len=32,
+                             calibration_sha256=windows.source["sha256"]).ids
+    assert mixed["search_ppl"] == pytest.approx(torch_perplexity(reference, search), rel=1e-4)
+    for row in result["methods"]:
+        assert row["speedup"] > 0 and 0 <= row["kv_kept"] < 1
+    table = plan_table(result)
+    assert "prefill speedup at 32 tokens" in table
+    assert f"| {lowest}:fit; blocks {start + 1}-{start + 1} into {start} |" in table

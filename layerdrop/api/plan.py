@@ -29,6 +29,7 @@ from layerdrop.passes.attach_scores import read_scores
 from layerdrop.passes.cleanup import run_passes
 from layerdrop.passes.find_residuals import annotated_regions
 from layerdrop.passes.metadata import removed_modules, write_json
+from layerdrop.runtime.bench import paired_speedup
 from layerdrop.runtime.evaluate import perplexity
 from layerdrop.runtime.session import make_session
 from layerdrop.search.alpha_search import ALPHA_GRID
@@ -37,7 +38,9 @@ from layerdrop.search.fit import fit_attention
 from layerdrop.search.measure import branch_means
 from layerdrop.search.planner import bypass_search, candidate_pool, plan_attention
 from layerdrop.search.selection import (
+    SpeedupProfile,
     attention_count_for,
+    block_modules,
     count_for_speedup,
     drop_iteratively,
     lowest_layers,
@@ -49,6 +52,7 @@ from layerdrop.windows import Sampling, Windows
 MOVES = ("drop", "bypass", "shift", "fit", "blocks")
 ACCURACY_ITEMS = 200  # multiple-choice items of the accuracy column
 ACCURACY_CONTEXT, ACCURACY_CONTINUATION = 32, 8  # tokens of an item's context and of each choice
+SPEEDUP_TOKENS, SPEEDUP_RUNS = 1024, 5  # the measured speedup column: prefill length (without one in the budget), runs
 
 
 @dataclass
@@ -76,25 +80,27 @@ class Candidate:
 
 
 def parse_moves(text: str | None, budget_kind: str = "attn") -> frozenset:
-    """'drop,bypass' -> the move words allowed; by default every attention move, or `blocks` for a blocks budget
-    (a speedup budget takes either: `--moves blocks` meets it with whole blocks).
+    """'drop,bypass' -> the move words allowed. By default every attention move for an attention or KV budget,
+    `blocks` for a blocks budget, and all of them for a speedup budget, which any mix of moves can meet.
 
     Raises:
         LayerdropError: an unknown word, or moves that cannot meet the kind of budget.
     """
     words = {w.strip() for w in (text or "").split(",") if w.strip()}
-    blocks = budget_kind == "blocks" or (budget_kind == "speedup" and "blocks" in words)
+    attention = set(MOVES) - {"blocks"}
     if text is None:
-        return frozenset({"blocks"}) if blocks else frozenset(MOVES) - {"blocks"}
+        return frozenset({"blocks"} if budget_kind == "blocks" else
+                         MOVES if budget_kind == "speedup" else attention)
     unknown = sorted(words - set(MOVES))
     if unknown or not words:
         raise LayerdropError(f"bad --moves {text!r}: use words of {', '.join(MOVES)} (e.g. --moves drop,bypass)")
     if "shift" in words and not words & {"drop", "bypass"}:
         raise LayerdropError("--moves shift shifts drop or bypass moves; add drop or bypass")
-    if blocks != ("blocks" in words) or (not blocks and not words - {"blocks"}):
-        raise LayerdropError(f"--moves {text} cannot meet this budget: blocks=N takes the blocks move, attn and kv "
-                             "budgets drop, bypass, shift or fit, speedup either the blocks move alone or the others")
-    return frozenset(words) & ({"blocks"} if blocks else set(MOVES) - {"blocks"})
+    fits = {"blocks": words == {"blocks"}, "speedup": True}.get(budget_kind, "blocks" not in words)
+    if not fits:
+        raise LayerdropError(f"--moves {text} cannot meet this budget: blocks=N takes the blocks move alone, attn "
+                             "and kv budgets drop, bypass, shift or fit, speedup any of them")
+    return frozenset(words)
 
 
 def plan(
@@ -122,6 +128,8 @@ def plan(
     keep_float: bool = False,
     also_eval: list[Path] | None = None,
     accuracy_items: int = ACCURACY_ITEMS,
+    speedup_tokens: int | None = None,
+    speedup_runs: int = SPEEDUP_RUNS,
 ) -> dict:
     """Plan the best set of attention moves for a budget and write the chosen model.
 
@@ -160,12 +168,11 @@ def plan(
                                         sampling=sampling, provider=provider, threads=threads,
                                         progress=progress)["regions"]
     scores = {r["layer"]: r["score"] for r in rows if r["kind"] == "attn"}
-    blocks_mode = "blocks" in allowed  # a blocks budget, or a speedup met with whole blocks
     block_scores = {r["layer"]: r["score"] for r in rows if r["kind"] == "block"}
-    if blocks_mode and kind == "speedup":
-        count = count_for_speedup(value, seq, model, folder.path, block_scores, threads, ("attn", "mlp"))
-    else:
-        count = attention_count_for(kind, value, seq, model, folder.path, scores, threads)
+    speed_seq = speedup_tokens or seq or SPEEDUP_TOKENS
+    profile = SpeedupProfile.of(model, folder.path, speed_seq, threads) if kind == "speedup" else None
+    skipped: list[str] = []  # default moves that these windows cannot support, with the reason
+    count, block_count = _counts(kind, value, profile, scores, block_scores, allowed, skipped)
     session_args = {"provider": provider, "threads": threads}
     search_args = {**session_args, "batch_size": batch_size}  # sessions, and windows per run in every search
     calib_windows, search, held_out = _plan_windows(folder.path, calib, eval_text, samples, search_samples,
@@ -176,21 +183,18 @@ def plan(
                                    for text in also_eval or []],
                         _accuracy_rows(folder.path, eval_text, accuracy_items, calib_windows.source["sha256"],
                                        sampling))
-    if blocks_mode:
+    fit_windows = None
+    if "fit" in allowed or block_count:
         fit_windows = windows_for(folder.path, calib, role="calib", samples=min(samples, fit_samples),
                                   seq_len=seq_len, sampling=sampling)
-        skipped = []
-        candidates = _block_methods(model, folder.path, block_scores, count, fit_windows, search.ids, search_args,
-                                    skipped)
-        return _finish(model, folder, out_dir, force, budget, count, len(attention), candidates, allowed, search,
-                       held_out, started, search_args, fit_windows if skipped == [] else None, [],
-                       (quantize, keep_float), skipped)
-    skipped: list[str] = []  # default moves that these windows cannot support, with the reason
-    phase = _Phases(progress, 2 + bool(grid_of(allowed)) + ("fit" in allowed))
-    phase("the papers' methods: one-shot and iterative drop, HARP, score-selected bypass")
-    candidates = _paper_methods(model, folder.path, scores, attention, count, calib_windows, search.ids, progress,
-                                search_args)
-    grid = grid_of(allowed)
+    grid = grid_of(allowed) if count else ()
+    phase = _Phases(progress, 1 + bool(count) + bool(grid) + (bool(count) and "fit" in allowed) + bool(block_count))
+    candidates: list[Candidate] = []
+    planned = None
+    if count:
+        phase("the papers' methods: one-shot and iterative drop, HARP, score-selected bypass")
+        candidates += _paper_methods(model, folder.path, scores, attention, count, calib_windows, search.ids,
+                                     progress, search_args)
     if grid:
         phase(f"the planner's search over the {len(candidate_pool(scores, count, extra))} lowest-scored layers")
         means = None
@@ -199,20 +203,17 @@ def plan(
                                  **session_args)
         planned = plan_attention(model, folder.path, search.ids, scores, count, extra=extra, means=means,
                                  grid=grid, progress=progress, **search_args)
-        searched = frozenset({"drop"} if 0.0 in planned.alphas.values() else set()) | (
-            {"bypass"} if any(a > 0 for a in planned.alphas.values()) else set())
+        searched = _moves_of(planned.alphas)
         if means is not None:
             candidates += [Candidate("planner (moves with the mean shift)", planned.alphas,
                                      {k: means[k] for k in planned.alphas}, moves=searched | {"shift"}),
                            Candidate("planner's layers and alphas without the shift", planned.alphas, moves=searched)]
         else:
             candidates.append(Candidate("planner", planned.alphas, moves=searched))
-    if "fit" in allowed:
+    if count and "fit" in allowed:
         phase("fitted maps, bottom-up, each layer's ridge chosen on the search windows")
-        fit_windows = windows_for(folder.path, calib, role="calib", samples=min(samples, fit_samples),
-                                  seq_len=seq_len, sampling=sampling)
         layer_sets = {"attention fit on the lowest-scored layers": lowest_layers(scores, count)}
-        if grid:
+        if planned is not None:
             layer_sets["planner's layers, fitted"] = sorted(planned.alphas)
         for name, layers in layer_sets.items():
             if any(c.fits is not None and sorted(c.fits) == layers for c in candidates):
@@ -227,19 +228,64 @@ def plan(
                 allowed -= {"fit"}
                 break
             candidates.append(Candidate(name, fits=fit.maps, ridges=fit.ridges, moves=frozenset({"fit"})))
-    phase(f"measuring {len(candidates)} rows on the search and held-out windows")
-    return _finish(model, folder, out_dir, force, budget, count, len(attention), candidates, allowed, search,
-                   held_out, started, search_args, fit_windows if "fit" in allowed else None,
-                   planned.log if grid else [], (quantize, keep_float), skipped)
+    if block_count:
+        phase(f"block moves: ShortGPT's drop and ReplaceMe's fitted run of {block_count} blocks"
+              + (", and runs of fewer blocks with attention moves" if profile and allowed - {"blocks"} else ""))
+        candidates += _block_methods(model, folder.path, block_scores, block_count, fit_windows, search.ids,
+                                     search_args, skipped)
+        if profile is not None and not any("ReplaceMe row left out" in why for why in skipped):
+            candidates += _mixed_methods(model, folder.path, profile, value, scores, block_count, fit_windows,
+                                         search.ids, allowed, progress, search_args, skipped)
+    phase(f"measuring {len(candidates)} rows on the search and held-out windows"
+          + (f", and their prefill time at {speed_seq} tokens" if speedup_runs else ""))
+    return _finish(model, folder, out_dir, force, budget, (count, block_count), len(attention), candidates, allowed,
+                   search, held_out, started, search_args, fit_windows if "fit" in allowed or block_count else None,
+                   planned.log if planned is not None else [], (quantize, keep_float), skipped,
+                   (speed_seq, speedup_runs))
 
 
-def _finish(model: ir.Model, folder, out_dir: Path, force: bool, budget: str, count: int, layers: int,
+def _counts(kind: str, value: float, profile: SpeedupProfile | None, scores: dict[int, float],
+            block_scores: dict[int, float], allowed: frozenset, skipped: list[str]) -> tuple[int | None, int | None]:
+    """(attention layers, blocks) the budget asks of the attention rows and of the block rows (None: no such
+    rows). A speedup that one kind of move cannot reach leaves its rows out with a note, unless neither can.
+
+    Raises:
+        LayerdropError: no allowed kind of move meets the budget.
+    """
+    wanted = {"attention": bool(allowed - {"blocks", "shift"}), "block": "blocks" in allowed}
+    found: dict[str, int | None] = {}
+    errors = []
+    for what, on in wanted.items():
+        found[what] = None
+        if not on:
+            continue
+        try:
+            if what == "attention":
+                found[what] = attention_count_for(kind, value, profile, scores)
+            else:
+                found[what] = int(value) if kind == "blocks" else count_for_speedup(value, profile, block_scores,
+                                                                                     ("attn", "mlp"))
+        except LayerdropError as exc:
+            errors.append(exc)
+    if not any(found.values()):
+        raise errors[0]
+    for exc in errors:
+        skipped.append(_skip(f"rows left out: {exc}"))
+    return found["attention"], found["block"]
+
+
+def _finish(model: ir.Model, folder, out_dir: Path, force: bool, budget: str, counts: tuple, layers: int,
             candidates: list[Candidate], allowed: frozenset, search: Windows, held_out: _HeldOut, started: float,
             search_args: dict, fit_windows: Windows | None, log: list[dict], output: tuple,
-            skipped: list[str]) -> dict:
+            skipped: list[str], speed: tuple[int, int]) -> dict:
     """Measure every candidate, pick the best allowed one on the search windows, write it; the plan's report."""
-    table = [_measured(model, folder.path, candidate, search, held_out, search_args) for candidate in candidates]
-    base = _measured(model, folder.path, Candidate("baseline"), search, held_out, search_args)
+    base_session = make_session(model, folder=folder.path, provider=search_args["provider"],
+                                threads=search_args["threads"])
+    base = _measured(model, folder.path, Candidate("baseline"), search, held_out, search_args, layers,
+                     session=base_session)
+    table = [_measured(model, folder.path, candidate, search, held_out, search_args, layers,
+                       speed=(base_session, *speed)) for candidate in candidates]
+    del base_session
     if held_out.items is not None:
         for row in table:
             row["accuracy_retained"] = 100.0 * row["accuracy"] / base["accuracy"] if base["accuracy"] else None
@@ -248,13 +294,18 @@ def _finish(model: ir.Model, folder, out_dir: Path, force: bool, budget: str, co
     pick = candidates[table.index(pick_row)]
     seconds = time.perf_counter() - started
     baseline = {key: base[key] for key in ("search_ppl", "eval_ppl", "also_eval_ppl", "accuracy") if key in base}
-    result = {"budget": budget, "attention_layers": count, "kv_fraction_kept": (layers - count) / layers,
+    count, block_count = counts
+    fitted = any(c.fits is not None or c.run is not None for c in candidates)
+    result = {"budget": budget, "attention_layers": count if count is not None else block_count,
+              "block_count": block_count,
+              "kv_fraction_kept": (layers - count) / layers if count is not None else pick_row["kv_kept"],
               "moves": sorted(allowed), "baseline": baseline,
+              "speedup_tokens": speed[0] if speed[1] else None,
               "methods": table, "pick": pick_row, "search_seconds": seconds, "search_text": search.source,
               "eval_text": held_out.main.source, "also_eval_texts": [w.source for w in held_out.others],
               "accuracy_items": len(held_out.items) if held_out.items is not None else 0,
               "accuracy_task": held_out.items or [],  # the items, to rerun them through lm-eval elsewhere
-              "fit_text": fit_windows.source if fit_windows is not None else None, "skipped": skipped}
+              "fit_text": fit_windows.source if fit_windows is not None and fitted else None, "skipped": skipped}
     write_json(model.metadata_props, PLAN_KEY, result)
     result["planner_log"] = log
     chosen = _rewritten(model, pick)
@@ -308,36 +359,46 @@ def _moves_of(alphas: dict[int, float]) -> frozenset:
 
 
 def _rewritten(model: ir.Model, candidate: Candidate) -> ir.Model:
-    """A copy of `model` with the candidate's moves applied."""
-    if candidate.run is not None:
-        return with_replaced_run(model, candidate.run.start, candidate.run.count, candidate.run.transform)
-    rewritten = model_folder.copy_model(model)
+    """A copy of `model` with the candidate's moves applied: a fitted run of blocks first, then the rest."""
+    run = candidate.run
+    rewritten = (with_replaced_run(model, run.start, run.count, run.transform) if run is not None
+                 else model_folder.copy_model(model))
     drops = [("block", k) for k in candidate.blocks]
-    run_passes(rewritten, rewrite_passes(drops, candidate.alphas, "plan", means=candidate.means, fits=candidate.fits))
+    if drops or candidate.alphas or candidate.fits:
+        run_passes(rewritten, rewrite_passes(drops, candidate.alphas, "plan", means=candidate.means,
+                                             fits=candidate.fits))
     return rewritten
 
 
 def _measured(model: ir.Model, folder: Path, candidate: Candidate, search: Windows, held_out: _HeldOut,
-              search_args: dict) -> dict:
-    """One row of the comparison: the rewritten model's perplexity on the search and the held-out windows, and its
-    accuracy on the held-out items."""
-    rewritten = _rewritten(model, candidate)
-    session = make_session(rewritten, folder=folder, provider=search_args["provider"],
-                           threads=search_args["threads"])
+              search_args: dict, layers: int, session=None, speed: tuple | None = None) -> dict:
+    """One row of the comparison: the rewritten model's perplexity on the search and the held-out windows, its
+    accuracy on the held-out items, the share of attention layers that keep a KV cache, and (with `speed` = (the
+    baseline's session, tokens, runs > 0)) its prefill speedup measured against the baseline's, runs alternating."""
+    rewritten = _rewritten(model, candidate) if session is None else model
+    if session is None:
+        session = make_session(rewritten, folder=folder, provider=search_args["provider"],
+                               threads=search_args["threads"])
     batch = search_args["batch_size"]
     run = candidate.run
-    return {"method": candidate.name, "alphas": {int(k): v for k, v in sorted(candidate.alphas.items())},
-            "fits": sorted(candidate.fits or {}), "shift": candidate.means is not None,
-            "ridges": {int(k): v for k, v in (candidate.ridges or {}).items()},
-            "blocks": candidate.blocks or (list(range(run.start + 1, run.start + 1 + run.count)) if run else []),
-            "replaced_into": run.start if run else None,
-            "moves": sorted(candidate.moves),
-            "search_ppl": perplexity(session, search.ids, batch_size=batch).perplexity,
-            "eval_ppl": perplexity(session, held_out.main.ids, batch_size=batch).perplexity,
-            **({"also_eval_ppl": {w.source["file"]: perplexity(session, w.ids, batch_size=batch).perplexity
-                                  for w in held_out.others}} if held_out.others else {}),
-            **({"accuracy": _accuracy(rewritten, session, folder, held_out.items, search_args)}
-               if held_out.items is not None else {})}
+    row = {"method": candidate.name, "alphas": {int(k): v for k, v in sorted(candidate.alphas.items())},
+           "fits": sorted(candidate.fits or {}), "shift": candidate.means is not None,
+           "ridges": {int(k): v for k, v in (candidate.ridges or {}).items()},
+           "blocks": candidate.blocks or (list(range(run.start + 1, run.start + 1 + run.count)) if run else []),
+           "replaced_into": run.start if run else None, "run_ridge": run.ridge if run else None,
+           "moves": sorted(candidate.moves),
+           "kv_kept": sum(r.kind == "attn" for r in annotated_regions(rewritten)) / layers,
+           "search_ppl": perplexity(session, search.ids, batch_size=batch).perplexity,
+           "eval_ppl": perplexity(session, held_out.main.ids, batch_size=batch).perplexity}
+    if held_out.others:
+        row["also_eval_ppl"] = {w.source["file"]: perplexity(session, w.ids, batch_size=batch).perplexity
+                                for w in held_out.others}
+    if held_out.items is not None:
+        row["accuracy"] = _accuracy(rewritten, session, folder, held_out.items, search_args)
+    if speed is not None and speed[2]:
+        base_session, tokens, runs = speed
+        row["speedup"] = paired_speedup(base_session, session, tokens, runs=runs)["speedup"]
+    return row
 
 
 def _accuracy_rows(folder: Path, eval_text: Path | None, items: int, calibration_sha256: str,
@@ -384,6 +445,37 @@ def _block_methods(model: ir.Model, folder: Path, block_scores: dict[int, float]
         return candidates
     return candidates + [Candidate("ReplaceMe: its selection and fitted transform", run=run,
                                    ridges={run.start: run.ridge}, moves=moves)]
+
+
+def _mixed_methods(model: ir.Model, folder: Path, profile: SpeedupProfile, value: float, scores: dict[int, float],
+                   block_count: int, fit_windows: Windows, search_ids, allowed: frozenset, progress: bool,
+                   search_args: dict, skipped: list[str]) -> list[Candidate]:
+    """Speedup budgets with block and attention moves allowed: ReplaceMe's run (its selection and fit) of a third
+    and of two thirds of the blocks the budget takes alone, then the lowest-scored attention layers outside the
+    run, as few as the profile needs to reach the budget with it, fitted on the model with the run in place (or
+    dropped, without the fit move)."""
+    word = "fit" if "fit" in allowed else "drop" if "drop" in allowed else None
+    if word is None:
+        return []
+    candidates = []
+    for size in sorted({block_count // 3, 2 * block_count // 3} - {0, block_count}):
+        run = replaceme(model, folder, fit_windows, size, validation=search_ids, **search_args)
+        gone = range(run.start + 1, run.start + 1 + size)
+        rest = {layer: s for layer, s in scores.items() if layer not in gone}
+        try:
+            layers = lowest_layers(rest, count_for_speedup(value, profile, rest, ("attn",),
+                                                           removed=block_modules(gone)))
+        except LayerdropError as exc:
+            skipped.append(_skip(f"the run of {size} blocks with attention moves left out: {exc}"))
+            continue
+        name = f"ReplaceMe's run of {size} blocks, attention {word} on {len(layers)} lowest-scored"
+        if word == "drop":
+            candidates.append(Candidate(name, dict.fromkeys(layers, 0.0), run=run, moves=frozenset({"blocks", word})))
+            continue
+        fit = fit_attention(with_replaced_run(model, run.start, run.count, run.transform), folder, fit_windows,
+                            layers, validation=search_ids, progress=progress, **search_args)
+        candidates.append(Candidate(name, fits=fit.maps, ridges=fit.ridges, run=run, moves=frozenset({"blocks", word})))
+    return candidates
 
 
 def grid_of(allowed: frozenset) -> tuple[float, ...]:

@@ -53,31 +53,45 @@ def side_by_side(bench: dict, method: str, quality: list[dict] | None = None, re
 
 
 def plan_table(result: dict) -> str:
-    """The planner's comparison (markdown): every method at the same budget, search and held-out perplexity, the
-    other held-out texts' perplexity and the task accuracy (retained % of the baseline) where measured."""
-    count = result["attention_layers"]
+    """The planner's comparison (markdown): every method at the same budget, its moves, the share of attention
+    layers that keep a KV cache, the measured prefill speedup (where measured), search and held-out perplexity,
+    the other held-out texts' perplexity and the task accuracy (retained % of the baseline) where measured."""
     others = [text["file"] for text in result.get("also_eval_texts", [])]
     accuracy = bool(result.get("accuracy_items"))
-    head = (["search ppl", "held-out ppl"] + [f"held-out ppl ({name})" for name in others]
+    speed = result.get("speedup_tokens")
+    head = (["KV kept"] + ([f"prefill speedup at {speed} tokens"] if speed else []) + ["search ppl", "held-out ppl"]
+            + [f"held-out ppl ({name})" for name in others]
             + ([f"accuracy, {result['accuracy_items']} items (retained)"] if accuracy else []))
-    lines = [f"| method ({count} attention layers, KV kept {result['kv_fraction_kept']:.3f}) | layers: alpha "
-             "(0 = drop, or the mean with the shift; fit = fitted map) | " + " | ".join(head) + " |",
-             "|---|---|" + "---|" * len(head)]
+    lines = [f"| method (budget {result['budget']}) | moves: layer:alpha (0 = drop, or the mean with the shift; fit = "
+             "fitted map), blocks removed | " + " | ".join(head) + " |", "|---|---|" + "---|" * len(head)]
 
-    def cells(row: dict, retained: bool) -> str:
-        values = [f"{row['search_ppl']:.2f}", f"{row['eval_ppl']:.2f}"]
+    def cells(row: dict, measured: bool) -> str:
+        values = [f"{row['kv_kept']:.3f}" if measured else "1.000"]
+        values += [f"{row['speedup']:.2f}x" if measured and "speedup" in row else "1.00x"] if speed else []
+        values += [f"{row['search_ppl']:.2f}", f"{row['eval_ppl']:.2f}"]
         values += [f"{row['also_eval_ppl'][name]:.2f}" for name in others]
         if accuracy:
-            share = f" ({row['accuracy_retained']:.1f}%)" if retained and row.get("accuracy_retained") else ""
+            share = f" ({row['accuracy_retained']:.1f}%)" if measured and row.get("accuracy_retained") else ""
             values.append(f"{100 * row['accuracy']:.1f}{share}")
         return " | ".join(values)
 
     lines.append(f"| baseline | - | {cells(result['baseline'], False)} |")
     for row in result["methods"]:
-        moves = {int(k): f"{v:g}" for k, v in row["alphas"].items()} | {int(k): "fit" for k in row.get("fits", [])}
-        alphas = " ".join(f"{k}:{v}" for k, v in sorted(moves.items(), reverse=True))
         name = f"**{row['method']}**" if row == result["pick"] else row["method"]
         if set(row.get("moves", [])) - set(result.get("moves", row.get("moves", []))):
             name += " (outside --moves)"
-        lines.append(f"| {name} | {alphas} | {cells(row, True)} |")
+        lines.append(f"| {name} | {_moves_cell(row)} | {cells(row, True)} |")
     return "\n".join(lines)
+
+
+def _moves_cell(row: dict) -> str:
+    """'29:0 28:fit; blocks 5-8 into 4': attention moves from the top layer down, then the blocks removed (a
+    ReplaceMe run says which block took its transform)."""
+    moves = {int(k): f"{v:g}" for k, v in row["alphas"].items()} | {int(k): "fit" for k in row.get("fits", [])}
+    parts = [" ".join(f"{k}:{v}" for k, v in sorted(moves.items(), reverse=True))] if moves else []
+    blocks = row.get("blocks") or []
+    if row.get("replaced_into") is not None:
+        parts.append(f"blocks {blocks[0]}-{blocks[-1]} into {row['replaced_into']}")
+    elif blocks:
+        parts.append("blocks " + ",".join(str(b) for b in blocks))
+    return "; ".join(parts) or "-"

@@ -187,7 +187,8 @@ def cmd_plan(args) -> int:
                       batch_size=args.batch_size, extra=args.extra, moves=args.moves, shift=args.shift,
                       force=args.force, progress=_progress(args), quantize=args.quantize,
                       keep_float=args.keep_float, also_eval=args.also_eval,
-                      accuracy_items=args.accuracy_items, **_runtime(args))
+                      accuracy_items=args.accuracy_items, speedup_tokens=args.speedup_tokens,
+                      speedup_runs=args.speedup_runs, **_runtime(args))
     print(plan_table(result))
     print(f"pick: {result['pick']['method']}; search took {result['search_seconds']:.0f} s; written to {args.output}")
     if args.json:

@@ -92,6 +92,17 @@ def parse_items(text: str) -> int:
     return value
 
 
+def parse_runs(text: str) -> int:
+    """0 (no measured speedup column) or a positive number of timed runs."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise LayerdropError(f"--speedup-runs {text!r}: give 0 (no speedup column) or a number of runs")
+    return value
+
+
 def parse_count(text: str) -> int:
     """A positive module count."""
     try:

@@ -7,7 +7,15 @@ import sys
 from pathlib import Path
 
 from layerdrop import __version__
-from layerdrop.cli.options import parse_alphas, parse_bytes, parse_count, parse_generation, parse_items, parse_provider
+from layerdrop.cli.options import (
+    parse_alphas,
+    parse_bytes,
+    parse_count,
+    parse_generation,
+    parse_items,
+    parse_provider,
+    parse_runs,
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -199,7 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_options(p)
     _common(p)
 
-    p = sub.add_parser("plan", help="for a budget, choose which attention layers go and how (drop or bypass)")
+    p = sub.add_parser("plan", help="for a budget, choose which attention layers or blocks go and "
+                       "how (drop, bypass, fit, fitted run)")
     p.add_argument("model", type=Path)
     _output(p)
     p.add_argument("--budget", required=True, help="attn=N | kv=FRACTION_KEPT | speedup=X[@TOKENS] | blocks=N")
@@ -218,8 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=parse_count, default=1, help="windows per ONNX Runtime run")
     p.add_argument("--no-shift", dest="shift", action="store_false",
                    help="without the mean shift (the same as leaving shift out of --moves)")
-    p.add_argument("--moves", help="the moves allowed: drop, bypass, shift, fit (default all; --moves drop,bypass "
-                   "searches the papers' moves only); blocks, with --budget blocks=N")
+    p.add_argument("--moves", help="the moves allowed: drop, bypass, shift, fit (the default for attn and kv "
+                   "budgets; --moves drop,bypass searches the papers' moves only), blocks (the default for blocks=N); "
+                   "a speedup budget takes any of them (default all)")
+    p.add_argument("--speedup-tokens", type=parse_count, help="prefill length of the measured speedup column "
+                   "(default: the speedup budget's, else 1024)")
+    p.add_argument("--speedup-runs", type=parse_runs, default=5, help="timed prefill runs per row for that column, "
+                   "alternating with the baseline's (0: no column)")
     p.add_argument("--fit-samples", type=parse_count, default=32, help="calibration windows the fits are estimated on")
     _quantize_option(p)
     p.add_argument("--json", type=Path)

@@ -52,21 +52,36 @@ def _runner(session: ort.InferenceSession, feed: dict[str, np.ndarray]):
     return run
 
 
-def prefill_latency(folders: list[Path], seq: int, *, batch: int = 1, runs: int = 5, warmup: int = 1,
-                    provider: str = "cpu", threads: int | None = None) -> list[dict]:
-    """Median and p90 prefill latency (ms) of each model at `seq` tokens, runs interleaved across models."""
-    sessions = [make_session(Path(f) / "model.onnx", provider=provider, threads=threads) for f in folders]
-    runners = [_runner(s, prefill_feed(s, _ids(seq, batch, s))) for s in sessions]
+def _interleaved(runners: list, runs: int, warmup: int) -> list[list[float]]:
+    """Each runner's times (ms) over `runs` rounds that run them in turn, after `warmup` such rounds."""
     for _ in range(warmup):
         for run in runners:
             run()
-    times: list[list[float]] = [[] for _ in sessions]
+    times: list[list[float]] = [[] for _ in runners]
     for _ in range(runs):
         for i, run in enumerate(runners):
             start = time.perf_counter()
             run()
             times[i].append((time.perf_counter() - start) * 1000)
+    return times
+
+
+def prefill_latency(folders: list[Path], seq: int, *, batch: int = 1, runs: int = 5, warmup: int = 1,
+                    provider: str = "cpu", threads: int | None = None) -> list[dict]:
+    """Median and p90 prefill latency (ms) of each model at `seq` tokens, runs interleaved across models."""
+    sessions = [make_session(Path(f) / "model.onnx", provider=provider, threads=threads) for f in folders]
+    times = _interleaved([_runner(s, prefill_feed(s, _ids(seq, batch, s))) for s in sessions], runs, warmup)
     return [{"median_ms": statistics.median(t), "p90_ms": float(np.percentile(t, 90)), "runs": t} for t in times]
+
+
+def paired_speedup(base: ort.InferenceSession, other: ort.InferenceSession, seq: int, *, runs: int = 5,
+                   warmup: int = 1) -> dict:
+    """`other`'s measured prefill speedup over `base` at `seq` tokens: the ratio of their median latencies, runs
+    alternating base, other after warm-up (as `prefill_latency`), on the same random ids."""
+    ids = _ids(seq, 1, base)
+    times = _interleaved([_runner(s, prefill_feed(s, ids)) for s in (base, other)], runs, warmup)
+    base_ms, other_ms = (statistics.median(t) for t in times)
+    return {"seq": seq, "base_ms": base_ms, "ms": other_ms, "speedup": base_ms / other_ms}
 
 
 def decode_tokens_per_second(folders: list[Path], *, prompt_len: int = 64, new_tokens: int = 32, rounds: int = 3,

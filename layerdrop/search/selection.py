@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import onnx_ir as ir
@@ -100,43 +100,65 @@ def parse_budget(text: str, attention_layers: int) -> tuple[str, float, int | No
     return kind, number, seq_len
 
 
-def attention_count_for(kind: str, value: float, seq: int | None, model: ir.Model, folder: Path,
-                        scores: dict[int, float], threads: int | None) -> int:
-    """How many attention layers a budget asks to remove or bypass (the lowest-scored first for a speedup: until
-    the profile-based ideal reaches it)."""
-    layers = len(scores)
+def attention_count_for(kind: str, value: float, profile: SpeedupProfile | None, scores: dict[int, float]) -> int:
+    """How many attention layers a budget asks to remove or bypass (for a speedup: the lowest-scored first, until
+    the profile says it is reached)."""
     if kind in ("attn", "blocks"):
         return int(value)
     if kind == "kv":
-        return max(1, math.ceil(layers * (1 - value) - 1e-9))
-    return count_for_speedup(value, seq, model, folder, scores, threads, ("attn",))
+        return max(1, math.ceil(len(scores) * (1 - value) - 1e-9))
+    return count_for_speedup(value, profile, scores, ("attn",))
 
 
-def count_for_speedup(value: float, seq: int | None, model: ir.Model, folder: Path, scores: dict[int, float],
-                      threads: int | None, kinds: tuple[str, ...]) -> int:
-    """The fewest lowest-scored modules whose removal reaches a prefill speedup of `value` at `seq` tokens by
-    per-node profile times: attention branches (`kinds` ("attn",)), or whole blocks (("attn", "mlp"): a block's
-    time is its two branches'; `scores` are then block scores). Leaves out ReplaceMe's folded map (no node).
+@dataclass
+class SpeedupProfile:
+    """Per-node ONNX Runtime profile times of one prefill at `seq` tokens, summed per module branch: what a set of
+    removed modules would save, ideally (ReplaceMe's folded map and a fitted map's MatMul count as free)."""
+
+    seq: int
+    total: float
+    modules: dict[tuple[str, int], float] = field(default_factory=dict)  # (kind, layer) -> branch time
+
+    @classmethod
+    def of(cls, model: ir.Model, folder: Path, seq: int, threads: int | None) -> SpeedupProfile:
+        from layerdrop.runtime.bench import node_times
+
+        times = node_times(folder, seq, runs=2, threads=threads)
+        modules: dict[tuple[str, int], float] = {}
+        for region in annotated_regions(model):
+            if region.kind in ("attn", "mlp"):
+                key = (region.kind, region.layer)
+                modules[key] = modules.get(key, 0.0) + sum(times.get(n.name, 0.0) for n in region.branch)
+        return cls(seq, sum(times.values()), modules)
+
+    def speedup(self, removed: Iterable[tuple[str, int]]) -> float:
+        """The ideal prefill speedup with these (kind, layer) modules gone."""
+        saved = sum(self.modules.get(module, 0.0) for module in set(removed))
+        return self.total / max(self.total - saved, 1e-9)
+
+
+def block_modules(layers: Iterable[int]) -> list[tuple[str, int]]:
+    """The modules whole blocks remove: their attention and their MLP."""
+    return [(kind, layer) for layer in layers for kind in ("attn", "mlp")]
+
+
+def count_for_speedup(value: float, profile: SpeedupProfile, scores: dict[int, float], kinds: tuple[str, ...],
+                      removed: Iterable[tuple[str, int]] = ()) -> int:
+    """The fewest lowest-scored modules whose removal, with the `removed` ones, reaches a prefill speedup of `value`
+    by the profile: attention branches (`kinds` ("attn",)), or whole blocks (("attn", "mlp"); `scores` are then
+    block scores, and a block must stay).
 
     Raises:
         LayerdropError: even every module does not reach it.
     """
-    from layerdrop.runtime.bench import node_times
-
-    times = node_times(folder, seq or 1024, runs=2, threads=threads)
-    module_time: dict[int, float] = {}
-    for region in annotated_regions(model):
-        if region.kind in kinds:
-            module_time[region.layer] = module_time.get(region.layer, 0.0) + sum(
-                times.get(n.name, 0.0) for n in region.branch)
-    total = sum(times.values())
-    saved = 0.0
     blocks = len(kinds) > 1
-    allowed = lowest_layers(scores, len(scores) - blocks)  # a block must stay
+    gone = list(removed)
+    allowed = lowest_layers(scores, len(scores) - blocks)
+    chosen: list[tuple[str, int]] = []
     for count, layer in enumerate(allowed, start=1):
-        saved += module_time.get(layer, 0.0)
-        if total / max(total - saved, 1e-9) >= value:
+        chosen += block_modules([layer]) if blocks else [("attn", layer)]
+        if profile.speedup(gone + chosen) >= value:
             return count
     what = "whole blocks (one must stay)" if blocks else "attention alone"
     raise LayerdropError(f"--budget speedup={value:g} is out of reach by removing {what}: all {len(allowed)} give "
-                         f"{total / max(total - saved, 1e-9):.2f}x; ask for less")
+                         f"{profile.speedup(gone + chosen):.2f}x; ask for less")
