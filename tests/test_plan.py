@@ -262,3 +262,18 @@ def test_a_speedup_budget_mixes_a_fitted_run_with_fitted_attention(exported, tmp
     table = plan_table(result)
     assert "prefill speedup at 32 tokens" in table
     assert f"| {lowest}:fit; blocks {start + 1}-{start + 1} into {start} |" in table
+
+
+def test_move_words_each_budget_takes():
+    """attn and kv budgets take the attention moves, blocks=N the blocks move alone, a speedup any mix (all by
+    default)."""
+    from layerdrop.api.plan import MOVES, parse_moves
+    from layerdrop.errors import LayerdropError
+
+    assert parse_moves(None, "speedup") == frozenset(MOVES)
+    assert parse_moves(None, "kv") == frozenset(MOVES) - {"blocks"}
+    assert parse_moves(None, "blocks") == {"blocks"}
+    assert parse_moves("blocks,fit", "speedup") == {"blocks", "fit"}
+    for words, kind in (("blocks,fit", "blocks"), ("fit,blocks", "attn"), ("blocks,shift", "speedup")):
+        with pytest.raises(LayerdropError):
+            parse_moves(words, kind)

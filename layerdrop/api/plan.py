@@ -1,5 +1,5 @@
-"""`layerdrop plan`: for a budget, which attention layers go and how, compared with the papers' methods on the
-same windows (see `search.planner`)."""
+"""`layerdrop plan`: for a budget, which attention layers or blocks go and how, compared with the papers' methods
+on the same windows (see `search.planner`, `search.fit`, `search.blocks`)."""
 
 from __future__ import annotations
 
@@ -131,24 +131,31 @@ def plan(
     speedup_tokens: int | None = None,
     speedup_runs: int = SPEEDUP_RUNS,
 ) -> dict:
-    """Plan the best set of attention moves for a budget and write the chosen model.
+    """Plan the best set of moves for a budget and write the chosen model.
 
-    Moves (`moves`, default all): drop, V·O bypass with a searched alpha (HARP's map), the mean shift on those,
-    and a fitted linear map (`search.fit`) per attention layer; with a `blocks=N` budget, whole blocks: ShortGPT's
-    drop by block score and ReplaceMe's fitted run (`search.blocks`). The search windows come from the search
-    part of `calib` (disjoint from its calibration windows, on which means and fits are estimated); the pick is the
-    row with the lowest
-    search perplexity among those the allowed moves make, and every row is also measured on `eval_text`, which no
-    estimate or choice ever sees (its evaluation part, if it is `calib` itself), and on each `also_eval` text (other
-    kinds, say). With `accuracy_items` > 0 (and lm-eval installed), every row also gets its accuracy on a
-    multiple-choice task of that many items built from the held-out text (`runtime.tasks`: a window's next
-    tokens against three other windows' ones), run through lm-eval and the `layerdrop` lm-eval model, and that
-    accuracy as a percentage of the baseline's.
+    Moves (`moves`): drop, V·O bypass with a searched alpha (HARP's map), the mean shift on those, and a fitted
+    linear map (`search.fit`) per attention layer; whole blocks: ShortGPT's drop by block score and ReplaceMe's
+    fitted run (`search.blocks`). An attention or KV budget takes the attention moves, a `blocks=N` budget the
+    block moves, a `speedup=X@T` budget any of them (all by default): the attention rows remove as many
+    lowest-scored layers as the per-node profile at T tokens says reach X, the block rows as many blocks, and with
+    both kinds allowed, ReplaceMe's run of a third and of two thirds of those blocks comes with as many fitted (or
+    dropped) attention layers outside the run as the rest of the budget takes. The search windows come from the
+    search part of `calib` (disjoint from its calibration windows, on which means and fits are estimated); the pick
+    is the row with the lowest search perplexity among those the allowed moves make, and every row is also
+    measured on `eval_text`, which no estimate or choice ever sees (its evaluation part, if it is `calib` itself),
+    and on each `also_eval` text (other kinds, say). With `accuracy_items` > 0 (and lm-eval installed), every row
+    also gets its accuracy on a multiple-choice task of that many items built from the held-out text
+    (`runtime.tasks`: a window's next tokens against three other windows' ones), run through lm-eval and the
+    `layerdrop` lm-eval model, and that accuracy as a percentage of the baseline's. With `speedup_runs` > 0, every
+    row's prefill at `speedup_tokens` (default: the budget's T, else 1024) is timed against the baseline's, runs
+    alternating, and the ratio of the medians is its measured speedup.
 
     Returns:
-        {"budget", "attention_layers", "kv_fraction_kept", "moves", "pick": {...}, "methods": [{"method",
-         "alphas", "fits", "shift", "moves", "search_ppl", "eval_ppl", "also_eval_ppl": {text: ppl},
-         "accuracy", "accuracy_retained"}], "baseline": {...}, "search_seconds", "also_eval_texts",
+        {"budget", "attention_layers" (of the attention rows; blocks, without them), "block_count" (of the block
+         rows, or None), "kv_fraction_kept", "moves", "speedup_tokens", "pick": {...}, "methods": [{"method",
+         "alphas", "fits", "ridges", "shift", "blocks", "replaced_into", "run_ridge", "moves", "kv_kept",
+         "speedup", "search_ppl", "eval_ppl", "also_eval_ppl": {text: ppl}, "accuracy", "accuracy_retained"}],
+         "baseline": {...}, "search_seconds", "also_eval_texts",
          "accuracy_items", "accuracy_task": [{"context", "choices", "answer"}],
          "search_text", "eval_text", "fit_text", "skipped": [why a default move made no row, e.g. too few
          tokens for a fit]}
