@@ -52,7 +52,7 @@ from layerdrop.windows import Sampling, Windows
 MOVES = ("drop", "bypass", "shift", "fit", "blocks")
 ACCURACY_ITEMS = 200  # multiple-choice items of the accuracy column
 ACCURACY_CONTEXT, ACCURACY_CONTINUATION = 32, 8  # tokens of an item's context and of each choice
-SPEEDUP_TOKENS, SPEEDUP_RUNS = 1024, 5  # the measured speedup column: prefill length (without one in the budget), runs
+SPEEDUP_TOKENS, SPEEDUP_RUNS = 1024, 5  # a speedup budget's prefill length (without one in it); timed runs a row
 
 
 @dataclass
@@ -147,8 +147,8 @@ def plan(
     also gets its accuracy on a multiple-choice task of that many items built from the held-out text
     (`runtime.tasks`: a window's next tokens against three other windows' ones), run through lm-eval and the
     `layerdrop` lm-eval model, and that accuracy as a percentage of the baseline's. With `speedup_runs` > 0, every
-    row's prefill at `speedup_tokens` (default: the budget's T, else 1024) is timed against the baseline's, runs
-    alternating, and the ratio of the medians is its measured speedup.
+    row's prefill at `speedup_tokens` (default: a speedup budget's T, 1024 if it names none, else `seq_len`) is
+    timed against the baseline's, runs alternating, and the ratio of the medians is its measured speedup.
 
     Returns:
         {"budget", "attention_layers" (of the attention rows; blocks, without them), "block_count" (of the block
@@ -176,8 +176,8 @@ def plan(
                                         progress=progress)["regions"]
     scores = {r["layer"]: r["score"] for r in rows if r["kind"] == "attn"}
     block_scores = {r["layer"]: r["score"] for r in rows if r["kind"] == "block"}
-    speed_seq = speedup_tokens or seq or SPEEDUP_TOKENS
-    profile = SpeedupProfile.of(model, folder.path, speed_seq, threads) if kind == "speedup" else None
+    speed_seq = speedup_tokens or seq or (SPEEDUP_TOKENS if kind == "speedup" else seq_len)  # timed column
+    profile = SpeedupProfile.of(model, folder.path, seq or SPEEDUP_TOKENS, threads) if kind == "speedup" else None
     skipped: list[str] = []  # default moves that these windows cannot support, with the reason
     count, block_count = _counts(kind, value, profile, scores, block_scores, allowed, skipped)
     session_args = {"provider": provider, "threads": threads}
@@ -479,8 +479,12 @@ def _mixed_methods(model: ir.Model, folder: Path, profile: SpeedupProfile, value
         if word == "drop":
             candidates.append(Candidate(name, dict.fromkeys(layers, 0.0), run=run, moves=frozenset({"blocks", word})))
             continue
-        fit = fit_attention(with_replaced_run(model, run.start, run.count, run.transform), folder, fit_windows,
-                            layers, validation=search_ids, progress=progress, **search_args)
+        try:
+            fit = fit_attention(with_replaced_run(model, run.start, run.count, run.transform), folder, fit_windows,
+                                layers, validation=search_ids, progress=progress, **search_args)
+        except TooFewTokens as exc:
+            skipped.append(_skip(f"the runs with fitted attention left out: {exc}"))
+            break
         candidates.append(Candidate(name, fits=fit.maps, ridges=fit.ridges, run=run, moves=frozenset({"blocks", word})))
     return candidates
 

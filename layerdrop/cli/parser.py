@@ -231,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "budgets; --moves drop,bypass searches the papers' moves only), blocks (the default for blocks=N); "
                    "a speedup budget takes any of them (default all)")
     p.add_argument("--speedup-tokens", type=parse_count, help="prefill length of the measured speedup column "
-                   "(default: the speedup budget's, else 1024)")
+                   "(default: a speedup budget's, else --seq-len)")
     p.add_argument("--speedup-runs", type=parse_runs, default=5, help="timed prefill runs per row for that column, "
                    "alternating with the baseline's (0: no column)")
     p.add_argument("--fit-samples", type=parse_count, default=32, help="calibration windows the fits are estimated on")
