@@ -14,7 +14,7 @@ from layerdrop.search.fit import fit_attention, normal_equations, solve_ridge
 from layerdrop.windows import Windows
 from tests.conftest import ALL_FAMILIES
 from tests.helpers import ort_logits, session
-from tests.torch_reference import VOCAB, fitted, logits, tiny_model
+from tests.torch_reference import VOCAB, attention_io, fitted, logits, tiny_model
 
 LAYERS = [1, 3]
 RIDGE = 1e-2
@@ -50,12 +50,22 @@ def test_fitted_attention_equals_torch_with_independently_fitted_maps(exported, 
     assert api.inspect(tmp_path / "fitted")["kv_layers"] == [0, 2]
 
 
-def test_validation_chooses_each_layers_ridge(exported, rng):
+def test_each_layers_ridge_is_the_one_with_the_least_error_on_the_validation_windows(exported, rng):
     folder, model = api.open_model(exported("llama", True))
     calib, validation = rng.randint(0, VOCAB, size=(3, 24)), rng.randint(0, VOCAB, size=(2, 24))
-    fit = fit_attention(model, folder.path, Windows(calib, {}), [2], validation=validation, ridges=(1e-3, 1e-1))
-    tried = {t["ridge"]: t["perplexity"] for t in fit.trials}
-    assert set(tried) == {1e-3, 1e-1} and tried[fit.ridges[2]] == min(tried.values())
+    ridges = (1e-3, 1e-1, 1.0)
+    fit = fit_attention(model, folder.path, Windows(calib, {}), [1, 2], validation=validation, ridges=ridges)
+    torch_model = tiny_model("llama")
+    for layer in (1, 2):  # layer 2's validation states come from the model with layer 1's chosen map in place
+        below, _ = fitted(torch_model, calib, [1], fit.ridges[1]) if layer == 2 else (torch_model, None)
+        x, y = attention_io(below, validation, layer)
+        expected = {}
+        for ridge in ridges:
+            weight, bias = fitted(below, calib, [layer], ridge)[1][layer]
+            expected[ridge] = float(np.sum((x @ weight + bias - y) ** 2)) / len(x)
+        tried = {t["ridge"]: t["error"] for t in fit.trials if t["layer"] == layer}
+        assert tried == pytest.approx(expected, rel=1e-3)
+        assert fit.ridges[layer] == min(expected, key=expected.get)
 
 
 def test_a_fit_on_fewer_tokens_than_the_hidden_size_is_refused(exported, rng):

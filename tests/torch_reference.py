@@ -259,6 +259,26 @@ class _Fitted(torch.nn.Module):
         return hidden_states @ self.weight + self.bias, None
 
 
+def attention_io(model: torch.nn.Module, windows: np.ndarray, index: int) -> tuple[np.ndarray, np.ndarray]:
+    """(normalized input, branch output) of layer `index`'s attention at every token of `windows`, float64, from
+    PyTorch hooks; the branch output is taken after a post-attention norm where the family has one."""
+    layer = model.model.layers[index]
+    post = layer.post_attention_layernorm if hasattr(layer, "post_feedforward_layernorm") else None
+    states, targets = [], []
+
+    def hook(module, args, kwargs, output):
+        branch = output[0] if post is None else post(output[0])
+        states.append(kwargs["hidden_states"].reshape(-1, branch.shape[-1]).double())
+        targets.append(branch.reshape(-1, branch.shape[-1]).double())
+
+    handle = layer.self_attn.register_forward_hook(hook, with_kwargs=True)
+    with torch.no_grad():
+        for row in windows:
+            model(torch.tensor(row[None]), use_cache=False)
+    handle.remove()
+    return torch.cat(states).numpy(), torch.cat(targets).numpy()
+
+
 def fitted(model: torch.nn.Module, windows: np.ndarray, layers, ridge: float):
     """The reference for the fit move, fitted here from PyTorch hooks: bottom-up, each layer's attention input
     (normalized X) mapped to its branch output (after a post-attention norm, which goes too), by a ridge solve of the
@@ -269,27 +289,14 @@ def fitted(model: torch.nn.Module, windows: np.ndarray, layers, ridge: float):
     maps = {}
     for index in sorted(layers):
         layer = model.model.layers[index]
-        post = layer.post_attention_layernorm if hasattr(layer, "post_feedforward_layernorm") else None
-        states, targets = [], []
-
-        def hook(module, args, kwargs, output, post=post, states=states, targets=targets):
-            branch = output[0] if post is None else post(output[0])
-            states.append(kwargs["hidden_states"].reshape(-1, branch.shape[-1]).double())
-            targets.append(branch.reshape(-1, branch.shape[-1]).double())
-
-        handle = layer.self_attn.register_forward_hook(hook, with_kwargs=True)
-        with torch.no_grad():
-            for row in windows:
-                model(torch.tensor(row[None]), use_cache=False)
-        handle.remove()
-        x, y = torch.cat(states).numpy(), torch.cat(targets).numpy()
+        x, y = attention_io(model, windows, index)
         a = np.concatenate([x, np.ones((len(x), 1))], axis=1)
         lam = ridge * np.mean(np.sum(a * a, axis=0))
         stacked = np.concatenate([a, np.sqrt(lam) * np.eye(a.shape[1])])
         solution = np.linalg.lstsq(stacked, np.concatenate([y, np.zeros((a.shape[1], y.shape[1]))]), rcond=None)[0]
         maps[index] = (solution[:-1], solution[-1])
         layer.self_attn = _Fitted(solution[:-1], solution[-1], dtype)
-        if post is not None:
+        if hasattr(layer, "post_feedforward_layernorm"):
             layer.post_attention_layernorm = torch.nn.Identity()
     return model, maps
 

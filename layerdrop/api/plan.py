@@ -75,7 +75,7 @@ class Candidate:
     fits: dict | None = None  # layer -> (W, b)
     blocks: list[int] = field(default_factory=list)  # whole blocks dropped
     run: BlockFit | None = None  # a ReplaceMe run
-    ridges: dict | None = None  # layer -> the ridge each fit chose on the search windows
+    ridges: dict | None = None  # layer -> the ridge each fit chose by its error on the search windows
     moves: frozenset = frozenset()
 
 
@@ -218,7 +218,7 @@ def plan(
         else:
             candidates.append(Candidate("planner", planned.alphas, moves=searched))
     if count and "fit" in allowed:
-        phase("fitted maps, bottom-up, each layer's ridge chosen on the search windows")
+        phase("fitted maps, bottom-up, each layer's ridge chosen by its error on the search windows")
         layer_sets = {"attention fit on the lowest-scored layers": lowest_layers(scores, count)}
         if planned is not None:
             layer_sets["planner's layers, fitted"] = sorted(planned.alphas)
@@ -226,7 +226,7 @@ def plan(
             if any(c.fits is not None and sorted(c.fits) == layers for c in candidates):
                 continue  # the same layers were fitted for an earlier row
             try:
-                fit = fit_attention(model, folder.path, fit_windows, layers, validation=search.ids,
+                fit = fit_attention(model, folder.path, fit_windows, layers, validation=search,
                                     progress=progress, **search_args)
             except TooFewTokens as exc:
                 if moves is not None:  # asked for by name: the user must hear why it cannot be done
@@ -242,7 +242,7 @@ def plan(
                                      search_args, skipped)
         if profile is not None and not any("ReplaceMe row left out" in why for why in skipped):
             candidates += _mixed_methods(model, folder.path, profile, value, scores, block_count, fit_windows,
-                                         search.ids, allowed, progress, search_args, skipped)
+                                         search, allowed, progress, search_args, skipped)
     phase(f"measuring {len(candidates)} rows on the search and held-out windows"
           + (f", and their prefill time at {speed_seq} tokens" if speedup_runs else ""))
     return _finish(model, folder, out_dir, force, budget, (count, block_count), len(attention), candidates, allowed,
@@ -455,7 +455,7 @@ def _block_methods(model: ir.Model, folder: Path, block_scores: dict[int, float]
 
 
 def _mixed_methods(model: ir.Model, folder: Path, profile: SpeedupProfile, value: float, scores: dict[int, float],
-                   block_count: int, fit_windows: Windows, search_ids, allowed: frozenset, progress: bool,
+                   block_count: int, fit_windows: Windows, search: Windows, allowed: frozenset, progress: bool,
                    search_args: dict, skipped: list[str]) -> list[Candidate]:
     """Speedup budgets with block and attention moves allowed: ReplaceMe's run (its selection and fit) of a third
     and of two thirds of the blocks the budget takes alone, then the lowest-scored attention layers outside the
@@ -466,7 +466,7 @@ def _mixed_methods(model: ir.Model, folder: Path, profile: SpeedupProfile, value
         return []
     candidates = []
     for size in sorted({block_count // 3, 2 * block_count // 3} - {0, block_count}):
-        run = replaceme(model, folder, fit_windows, size, validation=search_ids, **search_args)
+        run = replaceme(model, folder, fit_windows, size, validation=search.ids, **search_args)
         gone = range(run.start + 1, run.start + 1 + size)
         rest = {layer: s for layer, s in scores.items() if layer not in gone}
         try:
@@ -481,7 +481,7 @@ def _mixed_methods(model: ir.Model, folder: Path, profile: SpeedupProfile, value
             continue
         try:
             fit = fit_attention(with_replaced_run(model, run.start, run.count, run.transform), folder, fit_windows,
-                                layers, validation=search_ids, progress=progress, **search_args)
+                                layers, validation=search, progress=progress, **search_args)
         except TooFewTokens as exc:
             skipped.append(_skip(f"the runs with fitted attention left out: {exc}"))
             break

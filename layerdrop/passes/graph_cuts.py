@@ -39,20 +39,35 @@ def suffix_to_logits(model: ir.Model, entry: str) -> ir.Model:
     Raises:
         LayerdropError: `entry` is not a value of the graph, or the graph has no logits output.
     """
-    graph = model.graph
-    logits = next((v for v in graph.outputs if v.name == "logits"), None)
-    value = next((v for node in graph for v in node.outputs if v.name == entry), None)
-    if logits is None or value is None:
-        raise LayerdropError(f"cannot cut the graph at {entry!r}: no such value, or no logits output")
-    suffix = ir.convenience.extract(graph, inputs=[value, *graph.inputs], outputs=[logits])
-    hidden = suffix.inputs[0]
-    hidden.name = HIDDEN_INPUT
-    hidden.type = hidden.type or logits.type  # a graph without inner value types: the stream's type is the logits'
+    if not any(v.name == "logits" for v in model.graph.outputs):
+        raise LayerdropError(f"cannot cut the graph at {entry!r}: no logits output")
+    return segment(model, entry, ["logits"])
 
-    for unused in [v for v in suffix.inputs[1:] if not v.uses()]:
-        suffix.inputs.remove(unused)
-    cut = ir.Model(suffix, ir_version=model.ir_version, producer_name="layerdrop")
-    return cut
+
+def segment(model: ir.Model, entry: str, outputs: list[str]) -> ir.Model:
+    """The part of `model` from the value called `entry` to the values called `outputs` (in that order): `entry`
+    becomes the input `layerdrop_hidden`, and graph inputs the segment does not read are left out. The graph
+    inputs it does read (ids, mask, positions, a layer's past) stay inputs, so rotary tables and masks are computed
+    as in the whole model.
+
+    Raises:
+        LayerdropError: `entry` or one of `outputs` is not a value of the graph.
+    """
+    graph = model.graph
+    values = {v.name: v for node in graph for v in node.outputs}
+    values.update({v.name: v for v in graph.outputs})
+    missing = [name for name in [entry, *outputs] if name not in values]
+    if missing:
+        raise LayerdropError(f"cannot cut the graph at {entry!r}: it has no values {missing[:3]}")
+    last = values[outputs[-1]]
+    part = ir.convenience.extract(graph, inputs=[values[entry], *graph.inputs],
+                                  outputs=[values[name] for name in dict.fromkeys(outputs)])
+    hidden = part.inputs[0]
+    hidden.name = HIDDEN_INPUT
+    hidden.type = hidden.type or last.type  # a graph without inner value types: the stream's type is the output's
+    for unused in [v for v in part.inputs[1:] if not v.uses()]:
+        part.inputs.remove(unused)
+    return ir.Model(part, ir_version=model.ir_version, producer_name="layerdrop")
 
 
 def bypass_taps(model: ir.Model, layers: list[int]) -> tuple[ir.Model, dict[int, tuple[str, str]]]:
