@@ -121,6 +121,38 @@ def test_adapter_matches_lm_eval_hf_model(exported, hf_folder, tasks, kv_cache, 
     assert any(r[0] for r in _responses(ours, "ld_gen"))
 
 
+class _RecordingSession:
+    """An ONNX Runtime session that records, for each run, the shape of its token ids and its past's length."""
+
+    def __init__(self, session) -> None:
+        self.session, self.runs = session, []
+
+    def run(self, names, feed):
+        past = max((v.shape[2] for k, v in feed.items() if k.startswith("past_key_values")), default=0)
+        self.runs.append((feed["input_ids"].shape, past))
+        return self.session.run(names, feed)
+
+    def __getattr__(self, name):
+        return getattr(self.session, name)
+
+
+def test_choices_of_one_context_run_the_context_once_and_match_lm_eval_hf_model(exported, hf_folder, tasks):
+    from layerdrop.runtime.harness import LayerdropLM
+
+    folder = exported("llama", True)
+    lm = LayerdropLM(path=str(folder), provider="cpu", batch_size=8)
+    lm.session = _RecordingSession(lm.session)
+    ours = _evaluate(lm, tasks, names=("ld_mc",))
+    reference = _evaluate(_hf_model(_hf_reference(hf_folder), folder), tasks, names=("ld_mc",))
+    np.testing.assert_allclose(_loglikelihoods(ours, "ld_mc"), _loglikelihoods(reference, "ld_mc"), atol=1e-4, rtol=0)
+    assert _greedy_flags(ours, "ld_mc") == _greedy_flags(reference, "ld_mc")
+    prefills = [shape for shape, past in lm.session.runs if past == 0]
+    after = [shape for shape, past in lm.session.runs if past > 0]
+    # every question's context but its last token ran once, and all choices after it
+    assert sum(rows * length for rows, length in prefills) == sum(len(lm.tok_encode(d["question"])) - 1 for d in MC)
+    assert sum(rows for rows, _ in after) == sum(len(d["choices"]) for d in MC)
+
+
 def test_fused_group_query_attention_graph_matches_lm_eval_hf_model(exported, hf_folder, tasks, tmp_path):
     """GroupQueryAttention reads positions, not the mask, and takes padding on the right only: log-likelihoods come
     from right-padded batches and generation runs one prompt at a time, so the fused graph matches too."""

@@ -93,7 +93,7 @@ def greedy_batch(
         ids = np.concatenate([ids, tokens[:, None]], axis=1)
         mask = np.concatenate([mask, np.ones((batch, 1), dtype=np.int64)], axis=1)
         if kv:
-            feed = _cached_feed(outputs, tokens[:, None], mask, mask.sum(axis=1, keepdims=True) - 1, input_names)
+            feed = cached_feed(outputs, tokens[:, None], mask, mask.sum(axis=1, keepdims=True) - 1, input_names)
         else:
             feed = prefill_feed(session, ids, mask)
         outputs = dict(zip(output_names, session.run(output_names, feed)))
@@ -141,11 +141,11 @@ def _cache_after(session: ort.InferenceSession, ids: np.ndarray, mask: np.ndarra
     for start in range(chunk, ids.shape[1], chunk):
         outputs = dict(zip(output_names, session.run(output_names, feed)))
         end = min(start + chunk, ids.shape[1])
-        feed = _cached_feed(outputs, ids[:, start:end], mask[:, :end], positions[:, start:end], input_names)
+        feed = cached_feed(outputs, ids[:, start:end], mask[:, :end], positions[:, start:end], input_names)
     return feed
 
 
-def _cached_feed(outputs: dict[str, np.ndarray], ids: np.ndarray, mask: np.ndarray, positions: np.ndarray,
+def cached_feed(outputs: dict[str, np.ndarray], ids: np.ndarray, mask: np.ndarray, positions: np.ndarray,
                  input_names: set[str]) -> dict[str, np.ndarray]:
     """The next step's inputs: the cache the last run presented, the new `ids`, the mask over past and new tokens,
     and the new tokens' positions (where the graph takes them)."""

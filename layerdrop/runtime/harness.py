@@ -20,9 +20,10 @@ except ImportError:  # pragma: no cover - exercised only without the extra
     raise LayerdropError("lm-eval is not installed; install the eval extra: pip install -e '.[eval]'") from None
 from tqdm import tqdm
 
+from layerdrop.formats import is_present
 from layerdrop.runtime.evaluate import token_logprobs
-from layerdrop.runtime.feeds import prefill_feed, takes_padded_batches
-from layerdrop.runtime.generate import greedy_batch, left_pad, right_pad
+from layerdrop.runtime.feeds import is_kv_graph, prefill_feed, takes_padded_batches
+from layerdrop.runtime.generate import cached_feed, greedy_batch, left_pad, right_pad
 from layerdrop.runtime.session import make_session
 from layerdrop.windows import load_tokenizer
 
@@ -46,7 +47,10 @@ class LayerdropLM(TemplateLM):
     """A layerdrop model folder (model.onnx, its weights, tokenizer.json, config.json) as an lm-eval model.
 
     Log-likelihoods come from right-padded batches (every row keeps positions 0, 1, ..., so any causal graph scores
-    it as if alone, GroupQueryAttention included); generation is greedy, uses the KV cache when the graph has one,
+    it as if alone, GroupQueryAttention included). On a graph with a KV cache that takes padded batches, requests
+    that share a context (the choices of a multiple-choice question) run that context once: its cache is computed
+    for all of them and each continuation runs after it, which for four short choices is less than half the tokens.
+    Generation is greedy, uses the KV cache when the graph has one,
     and runs left-padded batches, or one prompt at a time on a graph that takes no padded batch
     (`feeds.takes_padded_batches`).
     """
@@ -84,6 +88,7 @@ class LayerdropLM(TemplateLM):
         self.session = session or make_session(model, folder=self.folder.path, provider=provider,
                                                threads=int(threads) if threads else None)
         self._padded_batches = takes_padded_batches(model)
+        self._shares_contexts = self._padded_batches and is_kv_graph(self.session)
         self.tokenizer = load_tokenizer(self.folder.path)
         config = model_folder.config(self.folder.path)
         eos = config.get("eos_token_id")
@@ -152,22 +157,68 @@ class LayerdropLM(TemplateLM):
                                      f"{self._max_length}; raise max_length")
             whole = (context + continuation)[-(self._max_length + 1):]
             inputs.append(whole[:-1])
-        order = sorted(range(len(requests)), key=lambda i: -len(inputs[i]))  # similar lengths share a batch
+        shared = self._shared_contexts(requests, inputs)
+        alone = sorted(set(range(len(requests))) - {i for group in shared for i in group},
+                       key=lambda i: -len(inputs[i]))  # similar lengths share a batch
         answers: list[tuple[float, bool] | None] = [None] * len(requests)
-        with tqdm(total=len(order), desc="layerdrop loglikelihood", disable=disable_tqdm) as bar:
-            for start in range(0, len(order), batch):
-                chunk = order[start:start + batch]
-                logits = self._logits([inputs[i] for i in chunk])
-                for row, index in enumerate(chunk):
-                    key, _context, continuation = requests[index]
-                    chosen = logits[row][-len(continuation):]
-                    picked = token_logprobs(chosen, np.asarray(continuation))
-                    answer = (float(picked.sum()), bool((chosen.argmax(axis=-1) == continuation).all()))
-                    answers[index] = answer
-                    if key is not None:
-                        self.cache_hook.add_partial("loglikelihood", key, answer)
+
+        def answer(index: int, logits: np.ndarray) -> None:
+            key, _context, continuation = requests[index]
+            chosen = logits[-len(continuation):]
+            picked = token_logprobs(chosen, np.asarray(continuation))
+            answers[index] = (float(picked.sum()), bool((chosen.argmax(axis=-1) == continuation).all()))
+            if key is not None:
+                self.cache_hook.add_partial("loglikelihood", key, answers[index])
+
+        with tqdm(total=len(requests), desc="layerdrop loglikelihood", disable=disable_tqdm) as bar:
+            # as many contexts a run as keep its continuations within four batches' rows
+            per_run = max(1, 4 * batch // max((len(g) for g in shared), default=1))
+            for start in range(0, len(shared), per_run):
+                groups = shared[start:start + per_run]
+                for index, logits in self._after_contexts(groups, requests):
+                    answer(index, logits)
+                bar.update(sum(len(g) for g in groups))
+            for start in range(0, len(alone), batch):
+                chunk = alone[start:start + batch]
+                for index, logits in zip(chunk, self._logits([inputs[i] for i in chunk])):
+                    answer(index, logits)
                 bar.update(len(chunk))
         return answers  # type: ignore[return-value]
+
+    def _shared_contexts(self, requests, inputs: list[list[int]]) -> list[list[int]]:
+        """Groups of request indices with one context of at least two tokens, run whole (not cut to max_length),
+        ordered so that contexts of one length are neighbours; none where the graph cannot run them so."""
+        if not self._shares_contexts:
+            return []
+        groups: dict[tuple, list[int]] = {}
+        for index, (_key, context, continuation) in enumerate(requests):
+            if len(context) >= 2 and len(inputs[index]) == len(context) + len(continuation) - 1:
+                groups.setdefault(tuple(context), []).append(index)
+        return sorted((g for g in groups.values() if len(g) > 1), key=lambda g: len(requests[g[0]][1]))
+
+    def _after_contexts(self, groups: list[list[int]], requests) -> list[tuple[int, np.ndarray]]:
+        """(request index, logits [its continuation's length, vocab]) for every request of `groups`: the contexts
+        but their last token run once (one batch per context length) into the cache, then each request's last
+        context token and continuation but its last token after its own context's cache, right-padded."""
+        found = []
+        by_length: dict[int, list[list[int]]] = {}
+        for group in groups:
+            by_length.setdefault(len(requests[group[0]][1]), []).append(group)
+        names = [o.name for o in self.session.get_outputs() if is_present(o.name)]
+        inputs = {i.name for i in self.session.get_inputs()}
+        for length, same in by_length.items():
+            prefix = np.array([requests[g[0]][1][:-1] for g in same], dtype=np.int64)
+            cache = dict(zip(names, self.session.run(names, prefill_feed(self.session, prefix))))
+            rows = [(owner, index) for owner, group in enumerate(same) for index in group]
+            tails = [[requests[i][1][-1], *requests[i][2][:-1]] for _, i in rows]
+            ids, tail_mask = right_pad(tails, self._pad)
+            owners = np.array([owner for owner, _ in rows])
+            mask = np.concatenate([np.ones((len(rows), length - 1), dtype=np.int64), tail_mask], axis=1)
+            positions = np.broadcast_to(np.arange(length - 1, length - 1 + ids.shape[1]), ids.shape)
+            feed = cached_feed({n: v[owners] for n, v in cache.items()}, ids, mask, positions, inputs)
+            logits = self.session.run(["logits"], feed)[0]
+            found += [(index, logits[row, :len(tails[row])]) for row, (_, index) in enumerate(rows)]
+        return found
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Log-likelihood of whole texts, in windows of at most max_length tokens (lm-eval's own windowing)."""
