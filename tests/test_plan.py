@@ -124,6 +124,34 @@ def test_fit_moves_plan_fitted_layers_equal_to_torch(exported, tmp_path, rng):
     np.testing.assert_allclose(ort_logits(tmp_path / "model", ids), logits(model, ids), atol=1e-4, rtol=0)
 
 
+def test_the_fit_search_measures_each_layers_map_like_torch_and_adds_layers_greedily(exported, tmp_path):
+    """Each pool layer's map fitted alone (PyTorch hooks and numpy's lstsq on the planner's calibration windows, with
+    the ridge it chose) gives, in PyTorch, the perplexity the planner logged for it; the first layer it takes is the
+    best alone, and its row fits the layers it chose."""
+    from tests.torch_reference import fitted
+    from tests.torch_reference import perplexity as torch_perplexity
+
+    folder = exported("llama", True)
+    report = tmp_path / "plan.json"
+    code = main(["plan", *NO_TASK, str(folder), "-o", str(tmp_path / "model"), "--budget", "attn=2", "--samples", "4",
+                 "--search-samples", "2", "--eval-samples", "2", "--seq-len", "32", "--moves", "fit", "--extra", "1",
+                 "--json", str(report), "--no-progress"])
+    assert code == 0
+    result = json.loads(report.read_text())
+    calib = api.windows_for(folder, None, role="calib", samples=4, seq_len=32)
+    search = api.windows_for(folder, None, role="search", samples=2, seq_len=32,
+                             calibration_sha256=calib.source["sha256"]).ids
+    solo = [entry for entry in result["planner_log"] if entry["stage"] == "solo"]
+    assert len(solo) == 3  # the pool: 2 + 1 extra
+    for entry in solo:
+        reference, _ = fitted(tiny_model("llama"), calib.ids, [entry["layer"]], entry["ridge"])
+        assert entry["perplexity"] == pytest.approx(torch_perplexity(reference, search), rel=1e-4)
+    greedy = [entry["layer"] for entry in result["planner_log"] if entry["stage"] == "greedy"]
+    assert greedy[0] == min(solo, key=lambda e: (e["perplexity"], e["layer"]))["layer"] and len(greedy) == 2
+    rows = [row for row in result["methods"] if row["method"].startswith("planner: fitted maps")]
+    assert len(rows) == 1 and rows[0]["fits"] == sorted(greedy)
+
+
 def test_unknown_move_words_are_refused(exported, tmp_path, capsys):
     code = main(["plan", *NO_TASK, str(exported("llama", True)), "-o", str(tmp_path / "p"), "--budget", "attn=1",
                  "--moves", "drop,teleport"])
@@ -196,9 +224,9 @@ def test_the_plan_says_which_phase_it_is_in(exported, tmp_path, capsys):
     assert code == 0
     rows = len(json.loads((tmp_path / "plan.json").read_text())["methods"])
     phases = [line for line in capsys.readouterr().err.splitlines() if line.startswith("layerdrop plan: [")]
-    assert [p.split("]")[0] for p in phases] == [f"layerdrop plan: [{i}/4" for i in (1, 2, 3, 4)]
-    assert "papers' methods" in phases[0] and "planner's search" in phases[1] and "fitted maps" in phases[2]
-    assert f"measuring {rows} rows" in phases[3]
+    assert [p.split("]")[0] for p in phases] == [f"layerdrop plan: [{i}/3" for i in (1, 2, 3)]
+    assert "papers' methods" in phases[0] and "planner's search over fits" in phases[1]
+    assert "fitted bottom-up" in phases[1] and f"measuring {rows} rows" in phases[2]
 
 
 def test_a_speedup_budget_can_be_met_with_whole_blocks(exported, tmp_path, capsys):

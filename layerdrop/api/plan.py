@@ -34,9 +34,9 @@ from layerdrop.runtime.evaluate import perplexity
 from layerdrop.runtime.session import make_session
 from layerdrop.search.alpha_search import ALPHA_GRID
 from layerdrop.search.blocks import BlockFit, replaceme, with_replaced_run
-from layerdrop.search.fit import fit_attention
+from layerdrop.search.fit import fit_attention, solo_fits
 from layerdrop.search.measure import branch_means
-from layerdrop.search.planner import bypass_search, candidate_pool, plan_attention
+from layerdrop.search.planner import bypass_search, candidate_pool, plan_attention, plan_fits
 from layerdrop.search.selection import (
     SpeedupProfile,
     attention_count_for,
@@ -195,14 +195,28 @@ def plan(
         fit_windows = windows_for(folder.path, calib, role="calib", samples=min(samples, fit_samples),
                                   seq_len=seq_len, sampling=sampling)
     grid = grid_of(allowed) if count else ()
-    phase = _Phases(progress, 1 + bool(count) + bool(grid) + (bool(count) and "fit" in allowed) + bool(block_count))
+    fits_searched = bool(count) and "fit" in allowed  # with fits allowed, the planner searches fits
+    phase = _Phases(progress, 1 + bool(count) + (fits_searched or bool(grid)) + bool(block_count))
     candidates: list[Candidate] = []
     planned = None
     if count:
         phase("the papers' methods: one-shot and iterative drop, HARP, score-selected bypass")
         candidates += _paper_methods(model, folder.path, scores, attention, count, calib_windows, search.ids,
                                      progress, search_args)
-    if grid:
+    if fits_searched:
+        phase(f"the planner's search over fits of the {len(candidate_pool(scores, count, extra))} lowest-scored "
+              "layers, then the chosen and the lowest-scored layers fitted bottom-up")
+        try:
+            planned, rows = _fit_rows(model, folder.path, scores, count, extra, fit_windows, search, progress,
+                                      search_args)
+            candidates += rows
+        except TooFewTokens as exc:
+            if moves is not None:  # asked for by name: the user must hear why it cannot be done
+                raise
+            skipped.append(_skip(f"fit rows left out: {exc}"))
+            allowed -= {"fit"}
+            phase.total += bool(grid)  # the search over bypasses and drops instead
+    if grid and "fit" not in allowed:
         phase(f"the planner's search over the {len(candidate_pool(scores, count, extra))} lowest-scored layers")
         means = None
         if "shift" in allowed:
@@ -217,24 +231,6 @@ def plan(
                            Candidate("planner's layers and alphas without the shift", planned.alphas, moves=searched)]
         else:
             candidates.append(Candidate("planner", planned.alphas, moves=searched))
-    if count and "fit" in allowed:
-        phase("fitted maps, bottom-up, each layer's ridge chosen by its error on the search windows")
-        layer_sets = {"attention fit on the lowest-scored layers": lowest_layers(scores, count)}
-        if planned is not None:
-            layer_sets["planner's layers, fitted"] = sorted(planned.alphas)
-        for name, layers in layer_sets.items():
-            if any(c.fits is not None and sorted(c.fits) == layers for c in candidates):
-                continue  # the same layers were fitted for an earlier row
-            try:
-                fit = fit_attention(model, folder.path, fit_windows, layers, validation=search,
-                                    progress=progress, **search_args)
-            except TooFewTokens as exc:
-                if moves is not None:  # asked for by name: the user must hear why it cannot be done
-                    raise
-                skipped.append(_skip(f"fit rows left out: {exc}"))
-                allowed -= {"fit"}
-                break
-            candidates.append(Candidate(name, fits=fit.maps, ridges=fit.ridges, moves=frozenset({"fit"})))
     if block_count:
         phase(f"block moves: ShortGPT's drop and ReplaceMe's fitted run of {block_count} blocks"
               + (", and runs of fewer blocks with attention moves" if profile and allowed - {"blocks"} else ""))
@@ -358,6 +354,32 @@ def _paper_methods(model: ir.Model, folder: Path, scores: dict[int, float], atte
             Candidate("paper 1: iterative drop", {e["layer"]: 0.0 for e in removed_modules(scratch)}, moves=drop),
             Candidate("HARP: top layers, searched alphas", harp, moves=_moves_of(harp)),
             Candidate("score-selected bypass, searched alphas", bypass, moves=_moves_of(bypass))]
+
+
+def _fit_rows(model: ir.Model, folder: Path, scores: dict[int, float], count: int, extra: int, fit_windows: Windows,
+              search: Windows, progress: bool, search_args: dict) -> tuple:
+    """The planner's search over fits (each pool layer's map fitted alone on the unmodified model, layers added
+    greedily by search perplexity), and the rows of the layers it chose and of the lowest-scored layers, each set
+    fitted bottom-up. Returns (the search's Plan, the rows).
+
+    Raises:
+        TooFewTokens: the calibration windows cannot support a fit.
+    """
+    solo = solo_fits(model, folder, fit_windows, candidate_pool(scores, count, extra), validation=search,
+                     **search_args)
+    planned = plan_fits(model, folder, search.ids, scores, count, solo=solo, extra=extra, progress=progress,
+                        **search_args)
+    lowest = lowest_layers(scores, count)
+    layer_sets = {"attention fit on the lowest-scored layers": lowest}
+    if planned.fits == lowest:
+        layer_sets = {"planner: fitted maps on the layers it chose (the lowest-scored)": lowest}
+    else:
+        layer_sets["planner: fitted maps on the layers it chose"] = planned.fits
+    rows = []
+    for name, layers in layer_sets.items():
+        fit = fit_attention(model, folder, fit_windows, layers, validation=search, progress=progress, **search_args)
+        rows.append(Candidate(name, fits=fit.maps, ridges=fit.ridges, moves=frozenset({"fit"})))
+    return planned, rows
 
 
 def _moves_of(alphas: dict[int, float]) -> frozenset:
@@ -495,15 +517,18 @@ def grid_of(allowed: frozenset) -> tuple[float, ...]:
 
 
 class _Phases:
-    """'layerdrop plan: [2/4] ...' on stderr as each phase starts (with progress on)."""
+    """'layerdrop plan: [2/4] ... (95 s in)' on stderr as each phase starts (with progress on)."""
 
     def __init__(self, progress: bool, total: int) -> None:
         self.progress, self.total, self.done = progress, total, 0
+        self.started = time.perf_counter()
 
     def __call__(self, text: str) -> None:
         self.done += 1
         if self.progress:
-            print(f"layerdrop plan: [{self.done}/{self.total}] {text}", file=sys.stderr, flush=True)
+            elapsed = time.perf_counter() - self.started
+            print(f"layerdrop plan: [{self.done}/{self.total}] {text} ({elapsed:.0f} s in)", file=sys.stderr,
+                  flush=True)
 
 
 def _skip(reason: str) -> str:

@@ -1,9 +1,11 @@
-"""Rewrite pass for searches: one graph in which chosen attention layers can be kept or bypassed at any alpha.
+"""Rewrite passes for searches: one graph in which chosen attention layers can be kept or bypassed at any alpha
+(`GatedBypassPass`), or kept or replaced by a fitted map (`GatedFitPass`).
 
-Each layer l of the pool reads two scalar inputs, `layerdrop_keep_<l>` (bool) and `layerdrop_alpha_<l>` (float):
-kept, it is the original attention; otherwise its branch is HARP's alpha * V·O map (mean-shifted where `means`
-has the layer), written by the same `bypass_attention` that `HarpBypassPass` uses. A search then feeds move sets
-as inputs instead of building a graph for each.
+Each layer l of the pool reads a scalar input `layerdrop_keep_<l>` (bool): kept, it is the original attention.
+Otherwise, in a bypass graph, its branch is HARP's alpha * V·O map (mean-shifted where `means` has the layer), with
+alpha the input `layerdrop_alpha_<l>`, written by the same `bypass_attention` that `HarpBypassPass` uses; in a
+fit graph, the layer's map Norm(X) W + b, written by the same `fit_branch` that `FitAttentionPass` uses. A search
+then feeds move sets as inputs instead of building a graph for each.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import numpy as np
 import onnx_ir as ir
 
 from layerdrop.passes.find_residuals import attention_regions
+from layerdrop.passes.fit_attention import fit_branch
 from layerdrop.passes.harp_bypass import bypass_attention, head_layout
 
 ALPHA_INPUT = "layerdrop_alpha"
@@ -41,6 +44,27 @@ class GatedBypassPass(ir.passes.InPlacePass):
             graph.inputs.extend([keep, alpha])
             bypass_attention(graph, regions[layer], layout, alpha, self.means.get(layer), keep=keep)
         return ir.passes.PassResult(model, modified=bool(self.layers))
+
+
+class GatedFitPass(ir.passes.InPlacePass):
+    """Give each attention layer of `maps` (layer -> (W, b)) a keep input choosing between its attention and its map
+    (module docstring).
+
+    Raises:
+        LayerdropError: a layer has no attention region with a normalized input.
+    """
+
+    def __init__(self, maps: dict[int, tuple[np.ndarray, np.ndarray]]) -> None:
+        super().__init__()
+        self.maps = dict(maps)
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        regions = attention_regions(model, sorted(self.maps), "search")
+        for layer in sorted(self.maps):
+            keep = ir.Value(name=f"{KEEP_INPUT}_{layer}", shape=ir.Shape([]), type=ir.TensorType(ir.DataType.BOOL))
+            model.graph.inputs.append(keep)
+            fit_branch(model.graph, regions[layer], *self.maps[layer], keep=keep)
+        return ir.passes.PassResult(model, modified=bool(self.maps))
 
 
 def move_feeds(layers: list[int], moves: dict[int, float], dtype=np.float32) -> dict[str, np.ndarray]:

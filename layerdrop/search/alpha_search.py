@@ -19,7 +19,7 @@ from tqdm import tqdm
 from layerdrop.errors import LayerdropError
 from layerdrop.model_folder import copy_model
 from layerdrop.passes.cleanup import run_passes
-from layerdrop.passes.gated_search import GatedBypassPass, move_feeds
+from layerdrop.passes.gated_search import GatedBypassPass, GatedFitPass, move_feeds
 from layerdrop.passes.graph_cuts import HIDDEN_INPUT, suffix_to_logits
 from layerdrop.runtime.evaluate import perplexity
 from layerdrop.runtime.feeds import numpy_type
@@ -31,13 +31,16 @@ ALPHA_GRID = tuple(round(0.1 * i, 1) for i in range(11))
 
 class GatedSuffix:
     """Perplexities of move sets over a fixed pool of layers on fixed windows, without a graph per move set: one
-    gated suffix session for the current start layer (rebuilt only when the start changes)."""
+    gated suffix session for the current start layer (rebuilt only when the start changes).
+
+    With `fits` (layer -> (W, b) for every pool layer), a moved layer is replaced by its map instead of bypassed
+    (`GatedFitPass`; the alphas of the moves are then not read)."""
 
     def __init__(self, model: ir.Model, folder: Path, windows: np.ndarray, layers: list[int],
                  means: dict[int, tuple[np.ndarray, np.ndarray]] | None = None, *, batch_size: int = 1,
-                 **session_args) -> None:
+                 fits: dict[int, tuple[np.ndarray, np.ndarray]] | None = None, **session_args) -> None:
         self.model, self.folder, self.windows, self.layers = model, folder, windows, sorted(layers)
-        self.means, self.batch_size, self.session_args = means, batch_size, session_args
+        self.means, self.fits, self.batch_size, self.session_args = means, fits, batch_size, session_args
         self.entries = attention_entries(model)
         unknown = sorted(set(self.layers) - set(self.entries))
         if unknown:
@@ -50,7 +53,9 @@ class GatedSuffix:
         if start != self.start:
             self.session = None  # free the old graph's weights before building the next
             gated = copy_model(self.model)
-            run_passes(gated, [GatedBypassPass([k for k in self.layers if k >= start], self.means)])
+            moved = [k for k in self.layers if k >= start]
+            run_passes(gated, [GatedFitPass({k: self.fits[k] for k in moved}) if self.fits is not None
+                               else GatedBypassPass(moved, self.means)])
             graph = suffix_to_logits(gated, self.entries[start])
             self.start, self.session = start, make_session(graph, folder=self.folder, **self.session_args)
         return self.session
@@ -61,7 +66,7 @@ class GatedSuffix:
         unknown = sorted(set(moves) - set(self.layers))
         if unknown:
             raise LayerdropError(f"layers {unknown} are not in the search pool {self.layers}")
-        start = min(moves) if start is None else min(start, *moves)
+        start = min(moves) if start is None else min([start, *moves])
         session, states = self._session(start), self.hidden[start]
         inputs = {i.name: i.type for i in session.get_inputs()}
         gated = [k for k in self.layers if k >= start]

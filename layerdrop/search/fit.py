@@ -26,7 +26,7 @@ from layerdrop.model_folder import copy_model
 from layerdrop.passes.cleanup import cleanup_passes, run_passes
 from layerdrop.passes.find_residuals import FindResidualsPass, annotated_regions
 from layerdrop.passes.fit_attention import FitAttentionPass
-from layerdrop.passes.graph_cuts import HIDDEN_INPUT, segment
+from layerdrop.passes.graph_cuts import HIDDEN_INPUT, segment, with_outputs
 from layerdrop.passes.prune_kv_cache import PruneKvCachePass
 from layerdrop.runtime.feeds import prefill_feed
 from layerdrop.runtime.session import make_session
@@ -67,30 +67,54 @@ class _Stream:
 
 
 def _run(session, stream: _Stream, names: list[str], batch_size: int):
-    """Each output of `names` for every window of `stream`, run from its hidden state; yields (rows, outputs)."""
+    """Each output of `names` for every window of `stream` (run from its hidden state, if it has one); yields
+    (rows, outputs)."""
     for start in range(0, len(stream.ids), batch_size):
         rows = slice(start, start + batch_size)
-        feed = prefill_feed(session, stream.ids[rows], extra={HIDDEN_INPUT: stream.hidden[rows]})
-        yield rows, session.run(names, feed)
+        extra = {HIDDEN_INPUT: stream.hidden[rows]} if stream.hidden is not None else None
+        yield rows, session.run(names, prefill_feed(session, stream.ids[rows], extra=extra))
 
 
-def _statistics(model: ir.Model, folder: Path, streams: list[_Stream], entry: str, layer: int, batch_size: int,
-                **session_args) -> list[tuple[np.ndarray, np.ndarray, float, int]]:
-    """Per stream, (G, C, |Y|^2, tokens) of one attention layer: its normalized input X and its branch output Y at
-    every text token, run from the state entering it."""
-    region = next(r for r in annotated_regions(model) if r.kind == "attn" and r.layer == layer)
-    names = [region.norm_output.name, region.branch_output.name]
-    session = make_session(segment(model, entry, names), folder=folder, **session_args)
+def _statistics(session, streams: list[_Stream], pairs: list[tuple[str, str]], batch_size: int
+                ) -> list[list[tuple[np.ndarray, np.ndarray, float, int]]]:
+    """Per pair of values (a layer's normalized input X, its branch output Y) and per stream, (G, C, |Y|^2, tokens)
+    over every text token: one run of the session for all pairs."""
+    names = list(dict.fromkeys(name for pair in pairs for name in pair))
     found = []
     for stream in streams:
-        gram, cross, square, tokens = 0.0, 0.0, 0.0, 0
-        for rows, (states, targets) in _run(session, stream, names, batch_size):
+        sums = [[0.0, 0.0, 0.0, 0] for _ in pairs]
+        for rows, arrays in _run(session, stream, names, batch_size):
             real = stream.real[rows]
-            g, c = normal_equations(states[real], targets[real])
-            gram, cross, tokens = gram + g, cross + c, tokens + int(real.sum())
-            square += float(np.sum(targets[real].astype(np.float64) ** 2))
-        found.append((gram, cross, square, tokens))
-    return found
+            outputs = dict(zip(names, arrays))
+            for total, (state, target) in zip(sums, pairs):
+                g, c = normal_equations(outputs[state][real], outputs[target][real])
+                total[0], total[1] = total[0] + g, total[1] + c
+                total[2] += float(np.sum(outputs[target][real].astype(np.float64) ** 2))
+                total[3] += int(real.sum())
+        found.append([tuple(total) for total in sums])
+    return [list(per_pair) for per_pair in zip(*found)]
+
+
+def _choose(result: Fit, layer: int, stats: list[tuple], ridges: tuple[float, ...]) -> None:
+    """Solve one layer's map from its statistics (calibration first, then validation, if any) for every ridge and
+    keep the one with the least validation error (the middle ridge without validation) in `result`.
+
+    Raises:
+        TooFewTokens: fewer calibration tokens than the hidden size + 1.
+    """
+    (gram, cross, _, tokens), *held = stats
+    if tokens < len(gram):
+        raise TooFewTokens(f"a fit needs at least {len(gram)} calibration tokens (hidden size + 1) and the "
+                           f"windows hold {tokens}; use more --samples or a longer --seq-len")
+    candidates = {ridge: solve_ridge(gram, cross, ridge) for ridge in ridges}
+    chosen = ridges[len(ridges) // 2]
+    if held:
+        v_gram, v_cross, v_square, v_tokens = held[0]
+        errors = {ridge: validation_error(v_gram, v_cross, v_square, *found) / max(v_tokens, 1)
+                  for ridge, found in candidates.items()}
+        result.trials += [{"layer": layer, "ridge": ridge, "error": error} for ridge, error in errors.items()]
+        chosen = min(errors, key=lambda r: (errors[r], -r))  # on a tie, the stronger ridge
+    result.maps[layer], result.ridges[layer] = candidates[chosen], chosen
 
 
 def _climb(model: ir.Model, folder: Path, streams: list[_Stream], entry: str, target: str, batch_size: int,
@@ -133,15 +157,7 @@ def fit_attention(model: ir.Model, folder: Path, windows: Windows, layers: list[
     layers = sorted(layers)
     if not layers:
         return result
-    if isinstance(validation, np.ndarray):
-        validation = Windows(validation, {})
-    streams = [_Stream(windows.ids, windows.real)]
-    if validation is not None:
-        streams.append(_Stream(validation.ids, validation.real))
-    fittable = {r.layer for r in annotated_regions(model) if r.kind == "attn" and r.norm_output is not None}
-    missing = sorted(set(layers) - fittable)
-    if missing:
-        raise LayerdropError(f"layers {missing} have no attention branch with a normalized input to fit")
+    streams = _streams(model, windows, layers, validation)
     for stream in streams:  # the state entering the lowest layer: the unmodified model's
         stream.hidden = hidden_states_at(model, folder, stream.ids, [layers[0]], **session_args)[layers[0]]
     bar = tqdm(total=len(layers), desc="fit", unit="layer", disable=not progress, leave=False)
@@ -149,21 +165,9 @@ def fit_attention(model: ir.Model, folder: Path, windows: Windows, layers: list[
     for index, layer in enumerate(layers):
         bar.set_postfix(layer=layer)
         entry = attention_entries(current)[layer]
-        (gram, cross, _, tokens), *held = _statistics(current, folder, streams, entry, layer, batch_size,
-                                                       **session_args)
-        if tokens < len(gram):
-            raise TooFewTokens(f"a fit needs at least {len(gram)} calibration tokens (hidden size + 1) and the "
-                               f"windows hold {tokens}; use more --samples or a longer --seq-len")
-        candidates = {ridge: solve_ridge(gram, cross, ridge) for ridge in ridges}
-        chosen = ridges[len(ridges) // 2]
-        if held:
-            v_gram, v_cross, v_square, v_tokens = held[0]
-            errors = {ridge: validation_error(v_gram, v_cross, v_square, *found) / max(v_tokens, 1)
-                      for ridge, found in candidates.items()}
-            result.trials += [{"layer": layer, "ridge": ridge, "error": error} for ridge, error in errors.items()]
-            chosen = min(errors, key=lambda r: (errors[r], -r))  # on a tie, the stronger ridge
-            bar.set_postfix(layer=layer, ridge=chosen, error=f"{errors[chosen]:.3g}")
-        result.maps[layer], result.ridges[layer] = candidates[chosen], chosen
+        pair = _pair(current, layer)
+        session = make_session(segment(current, entry, list(pair)), folder=folder, **session_args)
+        _choose(result, layer, _statistics(session, streams, [pair], batch_size)[0], ridges)
         if index + 1 < len(layers):  # up to the next layer, through this layer's map
             current = _with_maps(model, result.maps)
             _climb(current, folder, streams, entry, attention_entries(current)[layers[index + 1]], batch_size,
@@ -171,3 +175,44 @@ def fit_attention(model: ir.Model, folder: Path, windows: Windows, layers: list[
         bar.update()
     bar.close()
     return result
+
+
+def solo_fits(model: ir.Model, folder: Path, windows: Windows, layers: list[int], *,
+              validation: Windows | np.ndarray | None = None, ridges: tuple[float, ...] = RIDGES,
+              batch_size: int = 1, **session_args) -> Fit:
+    """A map for each of `layers` fitted alone, on the unmodified model's states (one run for all of them): the
+    maps a search tries one layer at a time. Ridges are chosen as in `fit_attention`.
+
+    Raises:
+        LayerdropError: as `fit_attention`.
+    """
+    result = Fit()
+    streams = _streams(model, windows, layers, validation)
+    pairs = [_pair(model, layer) for layer in sorted(layers)]
+    session = make_session(with_outputs(model, [name for pair in pairs for name in pair]), folder=folder,
+                           **session_args)
+    for layer, stats in zip(sorted(layers), _statistics(session, streams, pairs, batch_size)):
+        _choose(result, layer, stats, ridges)
+    return result
+
+
+def _streams(model: ir.Model, windows: Windows, layers: list[int], validation: Windows | np.ndarray | None
+             ) -> list[_Stream]:
+    """The calibration stream and, if given, the validation one, after checking every layer can be fitted.
+
+    Raises:
+        LayerdropError: a layer has no attention branch with a normalized input.
+    """
+    fittable = {r.layer for r in annotated_regions(model) if r.kind == "attn" and r.norm_output is not None}
+    missing = sorted(set(layers) - fittable)
+    if missing:
+        raise LayerdropError(f"layers {missing} have no attention branch with a normalized input to fit")
+    if isinstance(validation, np.ndarray):
+        validation = Windows(validation, {})
+    return [_Stream(w.ids, w.real) for w in (windows, validation) if w is not None]
+
+
+def _pair(model: ir.Model, layer: int) -> tuple[str, str]:
+    """The names of one attention layer's normalized input and branch output."""
+    region = next(r for r in annotated_regions(model) if r.kind == "attn" and r.layer == layer)
+    return region.norm_output.name, region.branch_output.name

@@ -1,17 +1,27 @@
-"""The planner: for an attention budget, choose which attention layers go and how (drop, or a rescaled V·O
-bypass with which alpha), by held-out perplexity measured in ONNX Runtime.
+"""The planner: for an attention budget, choose which attention layers go and how (drop, a rescaled V·O bypass
+with which alpha, or a fitted map), by perplexity on search windows measured in ONNX Runtime.
 
-With `means` (the default in `layerdrop plan`), every move also carries the mean shift of `HarpBypassPass`: the
-bypassed branch keeps the original branch's calibration mean, and alpha 0 leaves that constant instead of nothing.
+With `means` (the default in `layerdrop plan`), every bypass or drop also carries the mean shift of
+`HarpBypassPass`: the bypassed branch keeps the original branch's calibration mean, and alpha 0 leaves that
+constant instead of nothing.
 
-Search, starting from the cosine ranking instead of every combination:
+Search over bypasses and drops (`plan_attention`), starting from the cosine ranking instead of every combination:
   1. pool: the `budget + extra` lowest-scored attention layers;
   2. solo: for each pool layer alone, the best alpha in {0, 0.1, ..., 1} (alpha 0 is a drop);
   3. greedy: add, one at a time, the pool layer (with its solo alpha) whose addition gives the lowest perplexity;
   4. refine: re-search the chosen layers' alphas greedily top-down, as HARP does.
+Search over fits (`plan_fits`): the same pool, each layer with its map fitted alone (`search.fit.solo_fits`);
+solo, then greedy as above.
+
+The greedy stage is lazy: the increase in perplexity a layer's move caused when last measured (alone, or with
+fewer layers moved) is a lower bound on the increase it causes with the current set if increases compound (a
+move hurts no less when more layers are moved), so only the layer with the lowest bound is measured again, and
+taken once its increase stays at or below every other bound. Under that assumption it takes the layer that
+measuring every candidate would take, with a few measurements a step instead of one per candidate.
+
 Every evaluation starts from the hidden state entering the lowest changed layer, computed once from the
 unmodified model, so a candidate costs only the layers above it; and every move set over the pool runs in the
-same graph (keep and alpha are inputs), so no candidate builds a session of its own.
+same graph (keep, alpha or the fitted map are chosen by inputs), so no candidate builds a session of its own.
 """
 
 from __future__ import annotations
@@ -24,17 +34,19 @@ import onnx_ir as ir
 from tqdm import tqdm
 
 from layerdrop.search.alpha_search import ALPHA_GRID, GatedSuffix, best_alpha, greedy_alpha_search
+from layerdrop.search.fit import Fit
 from layerdrop.search.selection import lowest_layers
 
 
 @dataclass
 class Plan:
-    """Chosen moves (layer -> alpha; 0 means drop, or the constant mean with the shift), the search perplexity,
-    and a log of every evaluation."""
+    """Chosen moves (layer -> alpha; 0 means drop, or the constant mean with the shift; and the fitted layers), the
+    search perplexity, and a log of every evaluation."""
 
     alphas: dict[int, float]
     perplexity: float
     log: list[dict] = field(default_factory=list)
+    fits: list[int] = field(default_factory=list)
 
 
 class _Evaluator:
@@ -97,17 +109,8 @@ def plan_attention(
         solo[layer] = best_alpha(sweep)
         log.append({"stage": "solo", "layer": layer, "alpha": solo[layer], "perplexity": sweep[solo[layer]]})
 
-    # Move sets from here on start at different layers; one graph from the lowest pool layer serves them all.
-    evaluate.start = min(pool)
-    chosen: dict[int, float] = {}
-    current = float("inf")
-    while len(chosen) < budget:
-        trials = {layer: evaluate({**chosen, layer: solo[layer]}) for layer in pool if layer not in chosen}
-        layer = min(trials, key=lambda c: (trials[c], c))
-        chosen[layer] = solo[layer]
-        current = trials[layer]
-        log.append({"stage": "greedy", "layer": layer, "alpha": solo[layer], "perplexity": current})
-
+    alone = {entry["layer"]: entry["perplexity"] for entry in log}
+    chosen, current = _lazy_greedy(evaluate, solo, alone, budget, log)
     refined = dict(chosen)
     for layer in sorted(chosen, reverse=True):
         others = {k: v for k, v in refined.items() if k != layer}
@@ -118,6 +121,50 @@ def plan_attention(
         log.append({"stage": "refine", "layer": layer, "alpha": refined[layer], "perplexity": current})
     evaluate.bar.close()
     return Plan(refined, current, log)
+
+
+def plan_fits(model: ir.Model, folder: Path, windows: np.ndarray, scores: dict[int, float], budget: int, *,
+              solo: Fit, extra: int = 4, progress: bool = True, **session_args) -> Plan:
+    """Choose `budget` attention layers to replace by fitted maps (see module docstring): each pool layer's map
+    (`solo`: fitted alone, for every pool layer, see `search.fit.solo_fits`) measured alone, then added greedily.
+
+    Returns:
+        A Plan with the chosen layers in `fits` (no alphas) and the perplexity of all of them replaced by those maps.
+    """
+    pool = candidate_pool(scores, budget, extra)
+    evaluate = _Evaluator(model, folder, windows, pool, progress, None, (), {**session_args, "fits": solo.maps})
+    log: list[dict] = []
+    alone = {}
+    for layer in pool:
+        alone[layer] = evaluate({layer: 0.0})
+        log.append({"stage": "solo", "layer": layer, "move": "fit", "ridge": solo.ridges[layer],
+                    "perplexity": alone[layer]})
+    chosen, current = _lazy_greedy(evaluate, dict.fromkeys(pool, 0.0), alone, budget, log)
+    evaluate.bar.close()
+    return Plan({}, current, log, fits=sorted(chosen))
+
+
+def _lazy_greedy(evaluate: _Evaluator, moves: dict[int, float], alone: dict[int, float], budget: int,
+                 log: list[dict]) -> tuple[dict[int, float], float]:
+    """The greedy stage (module docstring): `moves` has each pool layer's move, `alone` its perplexity measured
+    alone. Returns the chosen moves and the perplexity with all of them."""
+    # Move sets from here on start at different layers; one graph from the lowest pool layer serves them all.
+    evaluate.start = min(moves)
+    current = evaluate.suffix.perplexity({}, evaluate.start)  # nothing moved: what each increase is measured from
+    increase = {layer: value - current for layer, value in alone.items()}
+    chosen: dict[int, float] = {}
+    while len(chosen) < budget:
+        fresh: set[int] = set(increase) if not chosen else set()  # measured with the current set
+        while True:
+            layer = min((k for k in moves if k not in chosen), key=lambda k: (increase[k], k))
+            if layer in fresh:
+                break
+            increase[layer] = evaluate({**chosen, layer: moves[layer]}) - current
+            fresh.add(layer)
+        chosen[layer], current = moves[layer], current + increase[layer]
+        log.append({"stage": "greedy", "layer": layer, "alpha": moves[layer], "perplexity": current,
+                    "measured": len(fresh) if len(chosen) > 1 else 0})
+    return chosen, current
 
 
 def bypass_search(model: ir.Model, folder: Path, windows: np.ndarray, layers: list[int], *, progress: bool = True,
