@@ -135,7 +135,10 @@ def plan(
 
     Moves (`moves`): drop, V·O bypass with a searched alpha (HARP's map), the mean shift on those, and a fitted
     linear map (`search.fit`) per attention layer; whole blocks: ShortGPT's drop by block score and ReplaceMe's
-    fitted run (`search.blocks`). An attention or KV budget takes the attention moves, a `blocks=N` budget the
+    fitted run (`search.blocks`). With the fit move allowed, the planner searches fits (`search.planner.plan_fits`:
+    each pool layer's map fitted alone, layers added greedily by search perplexity, then fitted bottom-up); without
+    it, drops and bypasses (`plan_attention`), with and without the mean shift; drop and bypass rows are measured
+    either way (the papers' methods). An attention or KV budget takes the attention moves, a `blocks=N` budget the
     block moves, a `speedup=X@T` budget any of them (all by default): the attention rows remove as many
     lowest-scored layers as the per-node profile at T tokens says reach X, the block rows as many blocks, and with
     both kinds allowed, ReplaceMe's run of a third and of two thirds of those blocks comes with as many fitted (or

@@ -228,8 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-shift", dest="shift", action="store_false",
                    help="without the mean shift (the same as leaving shift out of --moves)")
     p.add_argument("--moves", help="the moves allowed: drop, bypass, shift, fit (the default for attn and kv "
-                   "budgets; --moves drop,bypass searches the papers' moves only), blocks (the default for blocks=N); "
-                   "a speedup budget takes any of them (default all)")
+                   "budgets; with fit the planner searches fitted maps, without it drops and bypasses; --moves "
+                   "drop,bypass searches the papers' moves only), blocks (the default for blocks=N); a speedup "
+                   "budget takes any of them (default all)")
     p.add_argument("--speedup-tokens", type=parse_count, help="prefill length of the measured speedup column "
                    "(default: a speedup budget's, else --seq-len)")
     p.add_argument("--speedup-runs", type=parse_runs, default=5, help="timed prefill runs per row for that column, "
