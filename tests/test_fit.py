@@ -10,7 +10,7 @@ from layerdrop import api
 from layerdrop.errors import LayerdropError
 from layerdrop.model_folder import save
 from layerdrop.passes.cleanup import run_passes
-from layerdrop.search.fit import fit_attention, normal_equations, solve_ridge
+from layerdrop.search.fit import fit_attention, normal_equations, solo_fits, solve_ridge
 from layerdrop.windows import Windows
 from tests.conftest import ALL_FAMILIES
 from tests.helpers import ort_logits, session
@@ -48,6 +48,28 @@ def test_fitted_attention_equals_torch_with_independently_fitted_maps(exported, 
     assert [n for n in inputs if n.startswith("past_key_values")] == [
         f"past_key_values.{i}.{p}" for i in (0, 1) for p in ("key", "value")]
     assert api.inspect(tmp_path / "fitted")["kv_layers"] == [0, 2]
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_solo_fits_and_the_gated_fit_graph_equal_torch_with_maps_fitted_alone(exported, family, rng):
+    """The fit search's pieces: every layer's map fitted alone on the unmodified model (one run for all), and the
+    gated graph in which any set of them replaces attention, against PyTorch hooks, lstsq and PyTorch's loss."""
+    from layerdrop.search.alpha_search import GatedSuffix
+    from tests.torch_reference import perplexity as torch_perplexity
+    from tests.torch_reference import with_maps
+
+    folder, model = api.open_model(exported(family, True))
+    windows, search = rng.randint(0, VOCAB, size=(4, 24)), rng.randint(0, VOCAB, size=(2, 16))
+    solo = solo_fits(model, folder.path, Windows(windows, {}), LAYERS, ridges=(RIDGE,))
+    torch_model = tiny_model(family)
+    maps = {layer: fitted(torch_model, windows, [layer], RIDGE)[1][layer] for layer in LAYERS}
+    for layer in LAYERS:
+        np.testing.assert_allclose(solo.maps[layer][0], maps[layer][0], atol=1e-4)
+        np.testing.assert_allclose(solo.maps[layer][1], maps[layer][1], atol=1e-4)
+    suffix = GatedSuffix(model, folder.path, search, LAYERS, fits=solo.maps)
+    for moved in ([LAYERS[1]], LAYERS):
+        expected = torch_perplexity(with_maps(torch_model, {k: maps[k] for k in moved}), search)
+        assert suffix.perplexity(dict.fromkeys(moved, 0.0), LAYERS[0]) == pytest.approx(expected, rel=1e-4)
 
 
 def test_each_layers_ridge_is_the_one_with_the_least_error_on_the_validation_windows(exported, rng):

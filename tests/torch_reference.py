@@ -295,10 +295,23 @@ def fitted(model: torch.nn.Module, windows: np.ndarray, layers, ridge: float):
         stacked = np.concatenate([a, np.sqrt(lam) * np.eye(a.shape[1])])
         solution = np.linalg.lstsq(stacked, np.concatenate([y, np.zeros((a.shape[1], y.shape[1]))]), rcond=None)[0]
         maps[index] = (solution[:-1], solution[-1])
-        layer.self_attn = _Fitted(solution[:-1], solution[-1], dtype)
-        if hasattr(layer, "post_feedforward_layernorm"):
-            layer.post_attention_layernorm = torch.nn.Identity()
+        _put_map(layer, *maps[index], dtype)
     return model, maps
+
+
+def with_maps(model: torch.nn.Module, maps: dict) -> torch.nn.Module:
+    """A copy of `model` with each layer of `maps` (layer -> (W, b)) replaced by its map, as the fit move does."""
+    model = copy.deepcopy(model)
+    dtype = next(model.parameters()).dtype
+    for index, (weight, bias) in maps.items():
+        _put_map(model.model.layers[index], weight, bias, dtype)
+    return model
+
+
+def _put_map(layer: torch.nn.Module, weight: np.ndarray, bias: np.ndarray, dtype) -> None:
+    layer.self_attn = _Fitted(weight, bias, dtype)
+    if hasattr(layer, "post_feedforward_layernorm"):  # the post-attention norm goes with the branch
+        layer.post_attention_layernorm = torch.nn.Identity()
 
 
 class _Transformed(torch.nn.Module):
