@@ -30,7 +30,7 @@ from layerdrop.passes.graph_cuts import HIDDEN_INPUT, segment, with_outputs
 from layerdrop.passes.prune_kv_cache import PruneKvCachePass
 from layerdrop.runtime.feeds import prefill_feed
 from layerdrop.runtime.session import make_session
-from layerdrop.search.measure import attention_entries, hidden_states_at
+from layerdrop.search.measure import attention_entries
 from layerdrop.windows import Windows
 
 RIDGES = (1e-3, 1e-2, 1e-1)
@@ -117,10 +117,9 @@ def _choose(result: Fit, layer: int, stats: list[tuple], ridges: tuple[float, ..
     result.maps[layer], result.ridges[layer] = candidates[chosen], chosen
 
 
-def _climb(model: ir.Model, folder: Path, streams: list[_Stream], entry: str, target: str, batch_size: int,
-           **session_args) -> None:
-    """Move every stream's hidden state from the value `entry` up to the value `target` of `model`."""
-    session = make_session(segment(model, entry, [target]), folder=folder, **session_args)
+def _climb(session, streams: list[_Stream], target: str, batch_size: int) -> None:
+    """Move every stream's hidden state to the value `target` that `session` returns (from the stream's state, or
+    from the ids when it has none yet)."""
     for stream in streams:
         stream.hidden = np.concatenate([outputs[0] for _, outputs in _run(session, stream, [target], batch_size)])
 
@@ -158,8 +157,8 @@ def fit_attention(model: ir.Model, folder: Path, windows: Windows, layers: list[
     if not layers:
         return result
     streams = _streams(model, windows, layers, validation)
-    for stream in streams:  # the state entering the lowest layer: the unmodified model's
-        stream.hidden = hidden_states_at(model, folder, stream.ids, [layers[0]], **session_args)[layers[0]]
+    entering = attention_entries(model)[layers[0]]  # the state entering the lowest layer: the unmodified model's
+    _climb(make_session(with_outputs(model, [entering]), folder=folder, **session_args), streams, entering, batch_size)
     bar = tqdm(total=len(layers), desc="fit", unit="layer", disable=not progress, leave=False)
     current = model  # the model with the maps fitted so far
     for index, layer in enumerate(layers):
@@ -170,8 +169,9 @@ def fit_attention(model: ir.Model, folder: Path, windows: Windows, layers: list[
         _choose(result, layer, _statistics(session, streams, [pair], batch_size)[0], ridges)
         if index + 1 < len(layers):  # up to the next layer, through this layer's map
             current = _with_maps(model, result.maps)
-            _climb(current, folder, streams, entry, attention_entries(current)[layers[index + 1]], batch_size,
-                   **session_args)
+            target = attention_entries(current)[layers[index + 1]]
+            _climb(make_session(segment(current, entry, [target]), folder=folder, **session_args), streams, target,
+                   batch_size)
         bar.update()
     bar.close()
     return result
