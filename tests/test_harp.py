@@ -165,3 +165,29 @@ def test_a_com_microsoft_attention_op_with_packed_weights_is_refused_in_one_line
     assert not (tmp_path / "out").exists()
     assert hashlib.sha256((folder / "model.onnx").read_bytes()).hexdigest() == before
     assert main(["drop", str(folder), "-o", str(tmp_path / "dropped"), "--drop", "attn:0"]) == 0
+
+
+def test_searches_sharing_a_cache_measure_a_move_set_once(exported, monkeypatch):
+    """Two top-down searches that start at the same layer (HARP's and the score-selected one in `plan`) share
+    their first sweep through the cache; what the second measures itself is still PyTorch's perplexity."""
+    from layerdrop.search import alpha_search
+    from tests.torch_reference import perplexity as torch_perplexity
+
+    folder = exported("llama", False)
+    _, model = open_model(folder)
+    windows = api.windows_for(folder, None, role="search", samples=2, seq_len=32).ids
+    measured = []
+    original = alpha_search.GatedSuffix.perplexity
+    monkeypatch.setattr(alpha_search.GatedSuffix, "perplexity",
+                        lambda self, moves, start=None: measured.append(dict(moves)) or original(self, moves, start))
+    cache: dict = {}
+    first = alpha_search.greedy_alpha_search(model, folder, windows, [3, 2], progress=False, cache=cache)
+    second = alpha_search.greedy_alpha_search(model, folder, windows, [3, 1], progress=False, cache=cache)
+    assert len(measured) == 11 * 3, "layer 3's sweep is measured once for both searches"
+    assert second.alphas[3] == first.alphas[3]
+    assert second.trials[:11] == first.trials[:11]
+    for trial in second.trials[11::5]:
+        moves = {3: second.alphas[3], 1: trial["alpha"]}
+        reference = replaced(tiny_model("llama"), [("attn", k) for k, a in moves.items() if a == 0],
+                             {k: a for k, a in moves.items() if a > 0})
+        assert trial["perplexity"] == pytest.approx(torch_perplexity(reference, windows), rel=1e-4), trial

@@ -351,8 +351,10 @@ def _paper_methods(model: ir.Model, folder: Path, scores: dict[int, float], atte
     drop_iteratively(scratch, folder, calib_windows, ("attn",), count, progress=progress,
                      provider=search_args["provider"], threads=search_args["threads"])
     drop = frozenset({"drop"})
-    harp = bypass_search(model, folder, search_ids, attention[::-1][:count], progress=progress, **search_args)
-    bypass = bypass_search(model, folder, search_ids, lowest, progress=progress, **search_args)
+    tried: dict = {}  # both searches start at the top layers: their first sweeps are measured once
+    harp = bypass_search(model, folder, search_ids, attention[::-1][:count], progress=progress, cache=tried,
+                         **search_args)
+    bypass = bypass_search(model, folder, search_ids, lowest, progress=progress, cache=tried, **search_args)
     return [Candidate("paper 1: one-shot drop of the lowest scores", dict.fromkeys(lowest, 0.0), moves=drop),
             Candidate("paper 1: iterative drop", {e["layer"]: 0.0 for e in removed_modules(scratch)}, moves=drop),
             Candidate("HARP: top layers, searched alphas", harp, moves=_moves_of(harp)),

@@ -90,16 +90,26 @@ class SearchResult:
 
 
 def greedy_alpha_search(model: ir.Model, folder: Path, windows: np.ndarray, layers: list[int], *,
-                        grid: tuple[float, ...] = ALPHA_GRID, progress: bool = True, **session_args) -> SearchResult:
+                        grid: tuple[float, ...] = ALPHA_GRID, progress: bool = True, cache: dict | None = None,
+                        **session_args) -> SearchResult:
     """Choose an alpha for each of `layers` in the order given (top-down for HARP) by perplexity on `windows`:
-    while a layer is searched, the ones before it keep their chosen alphas and the rest keep their attention."""
+    while a layer is searched, the ones before it keep their chosen alphas and the rest keep their attention.
+
+    `cache` (move set -> perplexity on the same windows) is read and filled, so searches that share it do not
+    measure a move set twice (HARP's and a score-selected search share their first sweeps when both start at
+    the top layers)."""
     result = SearchResult()
     suffix = GatedSuffix(model, folder, windows, list(layers), **session_args)
+    cache = {} if cache is None else cache
     bar = tqdm(total=len(layers) * len(grid), desc="alpha search", unit="try", disable=not progress, leave=False)
     for layer in layers:
         sweep = {}
         for alpha in grid:
-            sweep[alpha] = suffix.perplexity({**result.alphas, layer: alpha})
+            moves = {**result.alphas, layer: alpha}
+            key = tuple(sorted(moves.items()))
+            if key not in cache:
+                cache[key] = suffix.perplexity(moves)
+            sweep[alpha] = cache[key]
             result.trials.append({"layer": layer, "alpha": alpha, "perplexity": sweep[alpha]})
             bar.set_postfix(layer=layer, best=f"{min(sweep.values()):.2f}")
             bar.update()

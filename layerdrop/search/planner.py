@@ -168,7 +168,8 @@ def _lazy_greedy(evaluate: _Evaluator, moves: dict[int, float], alone: dict[int,
 
 
 def bypass_search(model: ir.Model, folder: Path, windows: np.ndarray, layers: list[int], *, progress: bool = True,
-                  **session_args) -> dict[int, float]:
-    """Greedy top-down alphas for a fixed set of layers (HARP's search on any layers)."""
+                  cache: dict | None = None, **session_args) -> dict[int, float]:
+    """Greedy top-down alphas for a fixed set of layers (HARP's search on any layers); `cache` as in
+    `greedy_alpha_search`."""
     return greedy_alpha_search(model, folder, windows, sorted(layers, reverse=True), progress=progress,
-                               **session_args).alphas
+                               cache=cache, **session_args).alphas
