@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx_ir as ir
+from tqdm import tqdm
 
 from layerdrop import model_folder
 from layerdrop.api.common import (
@@ -113,7 +114,7 @@ def plan(
     samples: int = DEFAULT_SAMPLES,
     search_samples: int = 8,
     eval_samples: int = 32,
-    fit_samples: int = 32,
+    fit_samples: int = 64,
     seq_len: int = DEFAULT_SEQ_LEN,
     sampling: Sampling = Sampling(),
     batch_size: int = 1,
@@ -247,7 +248,7 @@ def plan(
     return _finish(model, folder, out_dir, force, budget, (count, block_count), len(attention), candidates, allowed,
                    search, held_out, started, search_args, fit_windows if "fit" in allowed or block_count else None,
                    planned.log if planned is not None else [], (quantize, keep_float), skipped,
-                   (speed_seq, speedup_runs))
+                   (speed_seq, speedup_runs), progress)
 
 
 def _counts(kind: str, value: float, profile: SpeedupProfile | None, scores: dict[int, float],
@@ -283,14 +284,24 @@ def _counts(kind: str, value: float, profile: SpeedupProfile | None, scores: dic
 def _finish(model: ir.Model, folder, out_dir: Path, force: bool, budget: str, counts: tuple, layers: int,
             candidates: list[Candidate], allowed: frozenset, search: Windows, held_out: _HeldOut, started: float,
             search_args: dict, fit_windows: Windows | None, log: list[dict], output: tuple,
-            skipped: list[str], speed: tuple[int, int]) -> dict:
-    """Measure every candidate, pick the best allowed one on the search windows, write it; the plan's report."""
+            skipped: list[str], speed: tuple[int, int], progress: bool) -> dict:
+    """Measure every candidate (a progress bar with the baseline's and the best held-out perplexity so far), pick
+    the best allowed one on the search windows, write it; the plan's report."""
     base_session = make_session(model, folder=folder.path, provider=search_args["provider"],
                                 threads=search_args["threads"])
+    bar = tqdm(total=1 + len(candidates), desc="measuring rows", unit="row", disable=not progress, leave=False)
     base = _measured(model, folder.path, Candidate("baseline"), search, held_out, search_args, layers,
                      session=base_session)
-    table = [_measured(model, folder.path, candidate, search, held_out, search_args, layers,
-                       speed=(base_session, *speed)) for candidate in candidates]
+    bar.set_postfix(baseline=f"{base['eval_ppl']:.2f}")
+    bar.update()
+    table = []
+    for candidate in candidates:
+        table.append(_measured(model, folder.path, candidate, search, held_out, search_args, layers,
+                               speed=(base_session, *speed)))
+        best = min(table, key=lambda row: row["eval_ppl"])
+        bar.set_postfix(baseline=f"{base['eval_ppl']:.2f}", best_held_out=f"{best['eval_ppl']:.2f}")
+        bar.update()
+    bar.close()
     del base_session
     if held_out.items is not None:
         for row in table:

@@ -235,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: a speedup budget's, else --seq-len)")
     p.add_argument("--speedup-runs", type=parse_runs, default=5, help="timed prefill runs per row for that column, "
                    "alternating with the baseline's (0: no column)")
-    p.add_argument("--fit-samples", type=parse_count, default=32, help="calibration windows the fits are estimated on")
+    p.add_argument("--fit-samples", type=parse_count, default=64, help="calibration windows the fits are estimated on")
     _quantize_option(p)
     p.add_argument("--json", type=Path)
     _sampling_options(p)
