@@ -112,7 +112,7 @@ def plan(
     calib: Path | None = None,
     eval_text: Path | None = None,
     samples: int = DEFAULT_SAMPLES,
-    search_samples: int = 8,
+    search_samples: int = 16,
     eval_samples: int = 32,
     fit_samples: int = 64,
     seq_len: int = DEFAULT_SEQ_LEN,

@@ -220,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--accuracy-items", type=parse_items, default=200, help="multiple-choice items built from the "
                    "held-out text for the accuracy column, run through lm-eval (0: no column; needs the eval extra)")
     p.add_argument("--samples", type=parse_count, default=64, help="scoring windows (if the model is unscored)")
-    p.add_argument("--search-samples", type=parse_count, default=8, help="windows of search text per evaluation")
+    p.add_argument("--search-samples", type=parse_count, default=16, help="windows of search text per evaluation")
     p.add_argument("--eval-samples", type=parse_count, default=32)
     p.add_argument("--seq-len", type=parse_count, default=256)
     p.add_argument("--extra", type=int, default=4, help="candidates beyond the budget in the search pool")
