@@ -152,6 +152,48 @@ def test_the_fit_search_measures_each_layers_map_like_torch_and_adds_layers_gree
     assert len(rows) == 1 and rows[0]["fits"] == sorted(greedy)
 
 
+def test_a_search_text_makes_every_choice_and_the_estimates_stay_on_the_calibration_text(exported, tmp_path):
+    """--search-text: the maps are fitted on the calibration text's windows, while the ridge of each is the one
+    with the least squared error on windows of the search text (numpy on PyTorch hooks), and the search column is
+    PyTorch's perplexity on those windows."""
+    from layerdrop.search.fit import RIDGES
+    from tests.torch_reference import attention_io, fitted
+    from tests.torch_reference import perplexity as torch_perplexity
+
+    folder = exported("llama", True)
+    report = tmp_path / "plan.json"
+    code = main(["plan", *NO_TASK, str(folder), "-o", str(tmp_path / "model"), "--budget", "attn=1", "--samples", "4",
+                 "--search-samples", "2", "--eval-samples", "2", "--seq-len", "32", "--moves", "fit", "--extra", "1",
+                 "--search-text", "docs", "--json", str(report), "--no-progress"])
+    assert code == 0
+    result = json.loads(report.read_text())
+    assert result["search_text"]["file"] == "docs.txt" and result["fit_text"]["file"] == "calib.txt"
+    calib = api.windows_for(folder, None, role="calib", samples=4, seq_len=32)
+    search = api.windows_for(folder, "docs", role="search", samples=2, seq_len=32,
+                             calibration_sha256=calib.source["sha256"])
+    pick = result["pick"]
+    (layer,) = pick["fits"]
+    x, y = attention_io(tiny_model("llama"), search.ids, layer)
+    if search.source["bos"]:  # the fit leaves the BOS out
+        keep = np.arange(len(x)) % search.ids.shape[1] != 0
+        x, y = x[keep], y[keep]
+    errors = {}
+    for ridge in RIDGES:
+        weight, bias = fitted(tiny_model("llama"), calib.ids, [layer], ridge)[1][layer]
+        errors[ridge] = float(np.sum((x @ weight + bias - y) ** 2))
+    assert errors[pick["ridges"][str(layer)]] <= min(errors.values()) * (1 + 1e-6)
+    reference, _ = fitted(tiny_model("llama"), calib.ids, [layer], pick["ridges"][str(layer)])
+    assert pick["search_ppl"] == pytest.approx(torch_perplexity(reference, search.ids), rel=1e-4)
+
+
+def test_a_search_text_that_is_held_out_is_refused(exported, tmp_path, capsys):
+    code = main(["plan", *NO_TASK, str(exported("llama", True)), "-o", str(tmp_path / "p"), "--budget", "attn=1",
+                 "--samples", "4", "--search-samples", "2", "--eval-samples", "2", "--seq-len", "32",
+                 "--search-text", "eval"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "also the held-out text" in err[-1] and len(err) == 1 and not (tmp_path / "p").exists()
+
+
 def test_unknown_move_words_are_refused(exported, tmp_path, capsys):
     code = main(["plan", *NO_TASK, str(exported("llama", True)), "-o", str(tmp_path / "p"), "--budget", "attn=1",
                  "--moves", "drop,teleport"])

@@ -111,6 +111,7 @@ def plan(
     budget: str,
     calib: Path | None = None,
     eval_text: Path | None = None,
+    search_text: Path | None = None,
     samples: int = DEFAULT_SAMPLES,
     search_samples: int = 16,
     eval_samples: int = 32,
@@ -144,7 +145,9 @@ def plan(
     lowest-scored layers as the per-node profile at T tokens says reach X, the block rows as many blocks, and with
     both kinds allowed, ReplaceMe's run of a third and of two thirds of those blocks comes with as many fitted (or
     dropped) attention layers outside the run as the rest of the budget takes. The search windows come from the
-    search part of `calib` (disjoint from its calibration windows, on which means and fits are estimated); the pick
+    search part of `calib` (disjoint from its calibration windows, on which means and fits are estimated), or from
+    `search_text` (all of it, unless it is `calib`): every choice (alphas, layers, ridges, the pick) is made on
+    them, so a search text of several kinds guards the choices against the calibration text's kind; the pick
     is the row with the lowest search perplexity among those the allowed moves make, and every row is also
     measured on `eval_text`, which no estimate or choice ever sees (its evaluation part, if it is `calib` itself),
     and on each `also_eval` text (other kinds, say). With `accuracy_items` > 0 (and lm-eval installed), every row
@@ -175,6 +178,18 @@ def plan(
     kind, value, seq = parse_budget(budget, len(attention))
     allowed = parse_moves(moves, kind) - (frozenset() if shift else {"shift"})
     started = time.perf_counter()
+    calib_windows, search, held_out = _plan_windows(folder.path, calib, eval_text, search_text, samples,
+                                                    search_samples, eval_samples, seq_len, sampling)
+    held_out = _HeldOut(held_out, [windows_for(folder.path, text, role="eval", samples=eval_samples,
+                                               seq_len=seq_len, sampling=sampling,
+                                               calibration_sha256=calib_windows.source["sha256"])
+                                   for text in also_eval or []],
+                        _accuracy_rows(folder.path, eval_text, accuracy_items, calib_windows.source["sha256"],
+                                       sampling))
+    shared = [w.source["file"] for w in held_out.others if w.source["sha256"] == search.source["sha256"]]
+    if shared and search.source["sha256"] != calib_windows.source["sha256"]:
+        raise LayerdropError(f"--search-text {shared[0]} is also an --also-eval text: every choice would see it; "
+                             "give another --search-text, or leave it out of --also-eval")
     rows = read_scores(model) or score(folder.path, None, calib=calib, samples=samples, seq_len=seq_len,
                                         sampling=sampling, provider=provider, threads=threads,
                                         progress=progress)["regions"]
@@ -186,14 +201,6 @@ def plan(
     count, block_count = _counts(kind, value, profile, scores, block_scores, allowed, skipped)
     session_args = {"provider": provider, "threads": threads}
     search_args = {**session_args, "batch_size": batch_size}  # sessions, and windows per run in every search
-    calib_windows, search, held_out = _plan_windows(folder.path, calib, eval_text, samples, search_samples,
-                                                    eval_samples, seq_len, sampling)
-    held_out = _HeldOut(held_out, [windows_for(folder.path, text, role="eval", samples=eval_samples,
-                                               seq_len=seq_len, sampling=sampling,
-                                               calibration_sha256=calib_windows.source["sha256"])
-                                   for text in also_eval or []],
-                        _accuracy_rows(folder.path, eval_text, accuracy_items, calib_windows.source["sha256"],
-                                       sampling))
     fit_windows = None
     if "fit" in allowed or block_count:
         fit_windows = windows_for(folder.path, calib, role="calib", samples=min(samples, fit_samples),
@@ -333,15 +340,22 @@ def _finish(model: ir.Model, folder, out_dir: Path, force: bool, budget: str, co
     return result
 
 
-def _plan_windows(folder: Path, calib: Path | None, eval_text: Path | None, samples: int, search_samples: int,
-                  eval_samples: int, seq_len: int, sampling: Sampling) -> tuple[Windows, Windows, Windows]:
-    """Calibration windows (means, the iterative drop), search windows of the same text, held-out windows."""
+def _plan_windows(folder: Path, calib: Path | None, eval_text: Path | None, search_text: Path | None,
+                  samples: int, search_samples: int, eval_samples: int, seq_len: int, sampling: Sampling
+                  ) -> tuple[Windows, Windows, Windows]:
+    """Calibration windows (means, the iterative drop), search windows (of `search_text`, default the search part
+    of the calibration text), held-out windows.
+
+    Raises:
+        LayerdropError: a text too short, or a search text that is also the held-out text.
+    """
     calib_windows = windows_for(folder, calib, role="calib", samples=min(samples, 16), seq_len=seq_len,
                                 sampling=sampling)
     digest = calib_windows.source["sha256"]
-    search = windows_for(folder, calib, role="search", samples=search_samples, seq_len=seq_len, sampling=sampling,
-                         calibration_sha256=digest)
-    if sampling.from_start:  # the search windows are the text's last ones: they must not reach the first ones
+    search = windows_for(folder, search_text if search_text is not None else calib, role="search",
+                         samples=search_samples, seq_len=seq_len, sampling=sampling, calibration_sha256=digest)
+    own_search = search.source["sha256"] == digest
+    if sampling.from_start and own_search:  # the search windows are the text's last ones: not the first ones
         try:
             windows_for(folder, calib, role="calib", samples=samples + search_samples, seq_len=seq_len,
                         sampling=sampling)
@@ -351,6 +365,9 @@ def _plan_windows(folder: Path, calib: Path | None, eval_text: Path | None, samp
                                  "fewer --samples, or leave out --from-start") from None
     held_out = windows_for(folder, eval_text, role="eval", samples=eval_samples, seq_len=seq_len, sampling=sampling,
                            calibration_sha256=digest)
+    if not own_search and search.source["sha256"] == held_out.source["sha256"]:
+        raise LayerdropError(f"--search-text {search.source['file']} is also the held-out text: every choice would "
+                             "see it; give another --search-text or --eval")
     return calib_windows, search, held_out
 
 

@@ -59,7 +59,11 @@ def plan_table(result: dict) -> str:
     others = [text["file"] for text in result.get("also_eval_texts", [])]
     accuracy = bool(result.get("accuracy_items"))
     speed = result.get("speedup_tokens")
-    head = (["KV kept"] + ([f"prefill speedup at {speed} tokens"] if speed else []) + ["search ppl", "held-out ppl"]
+    searched = result.get("search_text") or {}
+    search = f"search ppl ({searched['file']})" if searched.get("file") else "search ppl"
+    held = result.get("eval_text") or {}
+    held_out = f"held-out ppl ({held['file']})" if held.get("file") else "held-out ppl"
+    head = (["KV kept"] + ([f"prefill speedup at {speed} tokens"] if speed else []) + [search, held_out]
             + [f"held-out ppl ({name})" for name in others]
             + ([f"accuracy, {result['accuracy_items']} items (retained)"] if accuracy else []))
     lines = [f"| method (budget {result['budget']}) | moves: layer:alpha (0 = drop, or the mean with the shift; fit = "

@@ -182,7 +182,8 @@ def cmd_plan(args) -> int:
     from layerdrop.api.reports import plan_table
 
     result = api.plan(args.model, args.output, budget=args.budget, calib=args.calib, eval_text=args.eval,
-                      samples=args.samples, search_samples=args.search_samples, eval_samples=args.eval_samples,
+                      search_text=args.search_text, samples=args.samples, search_samples=args.search_samples,
+                      eval_samples=args.eval_samples,
                       fit_samples=args.fit_samples, seq_len=args.seq_len, sampling=sampling(args),
                       batch_size=args.batch_size, extra=args.extra, moves=args.moves, shift=args.shift,
                       force=args.force, progress=_progress(args), quantize=args.quantize,

@@ -215,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib", type=Path, help="text for scores and the search: a file, a folder or a bundled text "
                    "(calib, prose, eval, docs, code; default: calib, the mixed one)")
     p.add_argument("--eval", type=Path, help="held-out text for the comparison table (default: the bundled eval)")
+    p.add_argument("--search-text", type=Path, help="text every choice is made on (alphas, layers, ridges, the "
+                   "pick; default: the search part of --calib); e.g. --calib mine.txt --search-text calib keeps "
+                   "estimates on your text and choices on the bundled mix of kinds")
     p.add_argument("--also-eval", type=Path, action="append", default=[], metavar="TEXT",
                    help="another held-out text for a column of its own (repeatable; e.g. --also-eval docs)")
     p.add_argument("--accuracy-items", type=parse_items, default=200, help="multiple-choice items built from the "
