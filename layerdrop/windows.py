@@ -575,6 +575,7 @@ def _spread(source: TextSource, tokenizer: ModelTokenizer, seq_len: int, samples
         wanted.setdefault(run, []).append(runs[run][0] + int(target - edges[run]))
     rows: list[list[int]] = []
     starts: list[int] = []
+    placed: dict[int, list[int]] = {}  # run -> the first token of each of its windows
     carried = 0  # windows that did not fit in their run go to the next one
     for index, (start, end) in enumerate(runs):
         requests = [start] * carried + sorted(wanted.get(index, []))
@@ -588,15 +589,39 @@ def _spread(source: TextSource, tokenizer: ModelTokenizer, seq_len: int, samples
             if token is None:
                 carried = len(requests) - position
                 break
+            placed.setdefault(index, []).append(token)
             rows.append(run.ids[token:token + seq_len])
             starts.append(run.byte_of(token))
             taken = token + seq_len
+    for index in reversed(range(len(runs))):  # the last run's leftovers go to gaps in it and the runs before it
+        if not carried:
+            break
+        carried = _fill_gaps(_Run(source, tokenizer, *runs[index]), placed.get(index, []), carried, seq_len, rows,
+                             starts)
     if carried:
         raise LayerdropError(
             f"{source.path} holds too little text for {samples} windows of {seq_len} tokens spread across its "
             f"{role} part ({len(rows)} fit); use fewer --samples, a shorter --seq-len, a longer text, or "
             "--from-start")
     return rows, starts
+
+
+def _fill_gaps(run: _Run, taken: list[int], count: int, seq_len: int, rows: list[list[int]], starts: list[int]
+               ) -> int:
+    """Put up to `count` more windows in `run`, at the first line starts where a window overlaps none of the
+    windows starting at the tokens of `taken`; returns how many found no room."""
+    taken = sorted(taken)
+    for token in run.line_tokens:
+        if not count or token + seq_len > len(run.ids):
+            break
+        after = bisect.bisect_left(taken, token - seq_len + 1)  # the first window that could overlap this one
+        if after < len(taken) and taken[after] < token + seq_len:
+            continue
+        bisect.insort(taken, token)
+        rows.append(run.ids[token:token + seq_len])
+        starts.append(run.byte_of(token))
+        count -= 1
+    return count
 
 
 class _Run:

@@ -111,6 +111,22 @@ def test_spread_windows_are_seeded_spread_and_each_is_its_text(tiny_tokenizer_fi
     assert first.source["layout"] == "spread" and first.source["seed"] == 0
 
 
+def test_windows_that_find_no_room_where_asked_go_to_gaps_earlier_in_the_text(tiny_tokenizer_file, tmp_path):
+    """Near the text's capacity the last part's leftovers go back into gaps between earlier windows (the windows
+    are then not in text order): every window is still its own text and none overlaps another or leaves the
+    calibration part; past the capacity the refusal says how many fit."""
+    folder = _folder_with(tmp_path, tiny_tokenizer_file)
+    path = bundled_text("calib")
+    got = draw_windows(folder, None, role="calib", samples=300, seq_len=256)
+    assert len(got.ids) == 300 and got.source["starts"] != sorted(got.source["starts"])
+    spans = sorted(_spans(got, path, tiny_tokenizer_file))
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "windows do not overlap"
+    part = windows.territory(path.stat().st_size, "calib", shared=True)
+    assert all(any(lo <= start < hi for lo, hi in part) for start, _ in spans)
+    with pytest.raises(LayerdropError, match=r"too little text for 400 windows .*\(\d+ fit\)"):
+        draw_windows(folder, None, role="calib", samples=400, seq_len=256)
+
+
 def test_calibration_search_and_evaluation_windows_of_one_text_never_overlap(tiny_tokenizer_file, tmp_path):
     folder = _folder_with(tmp_path, tiny_tokenizer_file)
     path = bundled_text("calib")
