@@ -8,6 +8,9 @@
 # TEXT: the calibration text (default calib, the mixed one; `prose` gives the cross-kind run of the README);
 # SEARCH: the text every choice is made on (default: TEXT's search part; `calib` with TEXT=prose gives the
 # cross-kind run with prose estimates and choices on the bundled mix of kinds).
+# BUDGET (environment, default attn=8) and PLAN_ARGS (more `layerdrop plan` options) serve other models, e.g.
+#   BUDGET=attn=4 PLAN_ARGS="--extra 2 --search-samples 4 --fit-samples 16" bash benchmarks/plan_mixed.sh \
+#       bench-out/gemma3-kv bench-out/gemma3-plan-mixed
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export_dir=${1:-bench-out/smollm2/pipeline/export}
@@ -18,7 +21,7 @@ if [ -n "${4:-}" ]; then search=(--search-text "$4"); fi
 mkdir -p "$out"
 layerdrop score "$export_dir" -o "$out/scored" --calib "$text" --threads 2 --no-progress --force \
     --json "$out/score.json"
-/usr/bin/time -v layerdrop plan "$out/scored" -o "$out/plan" --budget attn=8 --calib "$text" "${search[@]}" \
-    --also-eval docs --also-eval code --threads 2 --force --json "$out/plan.json" 2> "$out/plan.log" \
-    | tee "$out/plan.md"
+/usr/bin/time -v layerdrop plan "$out/scored" -o "$out/plan" --budget "${BUDGET:-attn=8}" --calib "$text" \
+    "${search[@]}" ${PLAN_ARGS:-} --also-eval docs --also-eval code --threads 2 --force --json "$out/plan.json" \
+    2> "$out/plan.log" | tee "$out/plan.md"
 grep -E "Elapsed|Maximum resident" "$out/plan.log"
