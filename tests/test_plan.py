@@ -186,12 +186,15 @@ def test_a_search_text_makes_every_choice_and_the_estimates_stay_on_the_calibrat
     assert pick["search_ppl"] == pytest.approx(torch_perplexity(reference, search.ids), rel=1e-4)
 
 
-def test_a_search_text_that_is_held_out_is_refused(exported, tmp_path, capsys):
+@pytest.mark.parametrize("held_out", [[], ["--also-eval", "code"]])
+def test_a_search_text_that_is_held_out_is_refused(exported, tmp_path, capsys, held_out):
+    search = "code" if held_out else "eval"  # the --eval text by default, or an --also-eval one
     code = main(["plan", *NO_TASK, str(exported("llama", True)), "-o", str(tmp_path / "p"), "--budget", "attn=1",
                  "--samples", "4", "--search-samples", "2", "--eval-samples", "2", "--seq-len", "32",
-                 "--search-text", "eval"])
+                 "--search-text", search, *held_out])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and "also the held-out text" in err[-1] and len(err) == 1 and not (tmp_path / "p").exists()
+    assert code == 2 and len(err) == 1 and not (tmp_path / "p").exists()
+    assert f"--search-text {search}.txt is also a held-out text" in err[0]
 
 
 def test_unknown_move_words_are_refused(exported, tmp_path, capsys):

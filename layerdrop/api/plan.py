@@ -186,10 +186,10 @@ def plan(
                                    for text in also_eval or []],
                         _accuracy_rows(folder.path, eval_text, accuracy_items, calib_windows.source["sha256"],
                                        sampling))
-    shared = [w.source["file"] for w in held_out.others if w.source["sha256"] == search.source["sha256"]]
-    if shared and search.source["sha256"] != calib_windows.source["sha256"]:
-        raise LayerdropError(f"--search-text {shared[0]} is also an --also-eval text: every choice would see it; "
-                             "give another --search-text, or leave it out of --also-eval")
+    if search.source["sha256"] != calib_windows.source["sha256"] and any(
+            w.source["sha256"] == search.source["sha256"] for w in (held_out.main, *held_out.others)):
+        raise LayerdropError(f"--search-text {search.source['file']} is also a held-out text (--eval or --also-eval):"
+                             " every choice would see it; give another --search-text, or hold out another text")
     rows = read_scores(model) or score(folder.path, None, calib=calib, samples=samples, seq_len=seq_len,
                                         sampling=sampling, provider=provider, threads=threads,
                                         progress=progress)["regions"]
@@ -347,15 +347,14 @@ def _plan_windows(folder: Path, calib: Path | None, eval_text: Path | None, sear
     of the calibration text), held-out windows.
 
     Raises:
-        LayerdropError: a text too short, or a search text that is also the held-out text.
+        LayerdropError: a text too short for its windows.
     """
     calib_windows = windows_for(folder, calib, role="calib", samples=min(samples, 16), seq_len=seq_len,
                                 sampling=sampling)
     digest = calib_windows.source["sha256"]
     search = windows_for(folder, search_text if search_text is not None else calib, role="search",
                          samples=search_samples, seq_len=seq_len, sampling=sampling, calibration_sha256=digest)
-    own_search = search.source["sha256"] == digest
-    if sampling.from_start and own_search:  # the search windows are the text's last ones: not the first ones
+    if sampling.from_start and search.source["sha256"] == digest:  # the search windows are the text's last ones
         try:
             windows_for(folder, calib, role="calib", samples=samples + search_samples, seq_len=seq_len,
                         sampling=sampling)
@@ -365,9 +364,6 @@ def _plan_windows(folder: Path, calib: Path | None, eval_text: Path | None, sear
                                  "fewer --samples, or leave out --from-start") from None
     held_out = windows_for(folder, eval_text, role="eval", samples=eval_samples, seq_len=seq_len, sampling=sampling,
                            calibration_sha256=digest)
-    if not own_search and search.source["sha256"] == held_out.source["sha256"]:
-        raise LayerdropError(f"--search-text {search.source['file']} is also the held-out text: every choice would "
-                             "see it; give another --search-text or --eval")
     return calib_windows, search, held_out
 
 
