@@ -177,13 +177,12 @@ def test_a_search_text_makes_every_choice_and_the_estimates_stay_on_the_calibrat
     if search.source["bos"]:  # the fit leaves the BOS out
         keep = np.arange(len(x)) % search.ids.shape[1] != 0
         x, y = x[keep], y[keep]
-    errors = {}
-    for ridge in RIDGES:
-        weight, bias = fitted(tiny_model("llama"), calib.ids, [layer], ridge)[1][layer]
-        errors[ridge] = float(np.sum((x @ weight + bias - y) ** 2))
-    assert errors[pick["ridges"][str(layer)]] <= min(errors.values()) * (1 + 1e-6)
-    reference, _ = fitted(tiny_model("llama"), calib.ids, [layer], pick["ridges"][str(layer)])
-    assert pick["search_ppl"] == pytest.approx(torch_perplexity(reference, search.ids), rel=1e-4)
+    references = {ridge: fitted(tiny_model("llama"), calib.ids, [layer], ridge) for ridge in RIDGES}
+    errors = {ridge: float(np.sum((x @ maps[layer][0] + maps[layer][1] - y) ** 2))
+              for ridge, (_, maps) in references.items()}
+    chosen = pick["ridges"][str(layer)]
+    assert errors[chosen] <= min(errors.values()) * (1 + 1e-6)
+    assert pick["search_ppl"] == pytest.approx(torch_perplexity(references[chosen][0], search.ids), rel=1e-4)
 
 
 @pytest.mark.parametrize("held_out", [[], ["--also-eval", "code"]])
