@@ -4,6 +4,7 @@ writes a model equal to the PyTorch reference for the chosen moves."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -275,46 +276,100 @@ def test_the_plan_says_which_phase_it_is_in(exported, tmp_path, capsys):
     assert "fitted bottom-up" in phases[1] and f"measuring {rows} rows" in phases[2]
 
 
-def test_a_speedup_budget_can_be_met_with_whole_blocks(exported, tmp_path, capsys):
-    """`--budget speedup=X --moves blocks`: the fewest lowest-scored blocks whose profiled time reaches X (one for a
-    speedup just above 1), compared as ShortGPT and ReplaceMe rows; a speedup no blocks reach is refused."""
+def _fixed_speedups(monkeypatch, measured: list) -> None:
+    """Measured speedups replaced by fixed ones (real ones are noisy at this size): attention 10%, MLP 5% of each
+    prefill; every structure asked for is appended to `measured` as (blocks, attention layers)."""
+    from layerdrop.search.selection import PrefillMeter
+
+    def speedup(meter, blocks=(), attention=()):
+        blocks, attention = sorted(blocks), sorted(set(attention) - set(blocks))
+        measured.append((blocks, attention))
+        return 100.0 / (100.0 - 15.0 * len(blocks) - 10.0 * len(attention))
+
+    monkeypatch.setattr(PrefillMeter, "speedup", speedup)
+
+
+def test_a_speedup_budget_can_be_met_with_whole_blocks(exported, tmp_path, capsys, monkeypatch):
+    """`--budget speedup=X --moves blocks`: the fewest lowest-scored blocks whose measured prefill reaches X (by
+    fixed speedups: two for 1.3x), compared as ShortGPT and ReplaceMe rows; a speedup no blocks reach (measured for
+    real) is refused."""
+    from tests.torch_reference import hook_scores
+
     folder = exported("llama", True)
     report = tmp_path / "plan.json"
     small = ["--samples", "4", "--search-samples", "2", "--eval-samples", "2", "--seq-len", "32", "--no-progress"]
-    code = main(["plan", *NO_TASK, str(folder), "-o", str(tmp_path / "model"), "--budget", "speedup=1.0001@32",
-                 "--moves", "blocks", "--json", str(report), *small])
+    measured: list = []
+    with monkeypatch.context() as patch:
+        _fixed_speedups(patch, measured)
+        code = main(["plan", *NO_TASK, str(folder), "-o", str(tmp_path / "model"), "--budget", "speedup=1.3@32",
+                     "--moves", "blocks", "--json", str(report), *small])
     assert code == 0
     result = json.loads(report.read_text())
-    assert result["attention_layers"] == 1 and result["moves"] == ["blocks"]
+    assert result["attention_layers"] == 2 and result["moves"] == ["blocks"]
     assert [row["method"] for row in result["methods"]] == ["ShortGPT-style block drop of the lowest block scores",
                                                             "ReplaceMe: its selection and fitted transform"]
-    assert len(api.inspect(tmp_path / "model")["kv_layers"]) == 3
+    assert len(api.inspect(tmp_path / "model")["kv_layers"]) == 2
+    windows = api.windows_for(folder, None, role="calib", samples=4, seq_len=32)
+    scores = hook_scores(tiny_model("llama"), windows.ids)
+    order = sorted((s, layer) for (kind, layer), s in scores.items() if kind == "block")
+    assert result["methods"][0]["blocks"] == sorted(layer for _, layer in order[:2])
+    assert all(not attention for _, attention in measured)  # blocks alone, lowest-scored first
+    assert {tuple(blocks) for blocks, _ in measured} >= {tuple(sorted(layer for _, layer in order[:n])) for n in (1, 2)}
     code = main(["plan", *NO_TASK, str(folder), "-o", str(tmp_path / "far"), "--budget", "speedup=1000@32",
                  "--moves", "blocks", *small])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and "out of reach by removing whole blocks" in err[-1] and not (tmp_path / "far").exists()
 
 
-def test_a_speedup_budget_mixes_a_fitted_run_with_fitted_attention(exported, tmp_path, monkeypatch):
+def test_the_prefill_meter_times_what_the_moves_leave(exported):
+    """Sizing measures a rewrite of the structure the moves leave: blocks gone with their caches, attention layers
+    as one MatMul + Add from their normalized input (zeros: only the time counts), or gone with `maps` off; that
+    graph computes what PyTorch does with those blocks and layers removed, and its speedup is a timed ratio."""
+    from layerdrop.api.common import open_model
+    from layerdrop.passes.find_residuals import annotated_regions
+    from layerdrop.runtime.feeds import is_past, prefill_feed
+    from layerdrop.runtime.session import make_session
+    from layerdrop.search.selection import PrefillMeter
+    from tests.torch_reference import replaced
+
+    folder, model = open_model(exported("llama", True))
+    base = make_session(model, folder=folder.path)
+    ids = np.random.default_rng(0).integers(0, VOCAB, size=(1, 16))
+    for maps in (True, False):
+        meter = PrefillMeter(model, folder.path, 32, base, runs=2, maps=maps)
+        structure = meter.structure([1], [3])
+        kinds = {(r.kind, r.layer) for r in annotated_regions(structure)}
+        assert kinds == {("attn", 0), ("mlp", 0), ("attn", 2), ("mlp", 2), ("mlp", 3)} | ({("fit", 3)} if maps
+                                                                                           else set())
+        assert len([v for v in structure.graph.inputs if is_past(v.name)]) == 4  # key and value of layers 0, 2
+        # a zero map adds nothing: the same logits as PyTorch with block 1 and attention 3 removed
+        reference = logits(replaced(tiny_model("llama"), [("block", 1), ("attn", 3)]), ids)
+        session = make_session(structure, folder=folder.path)
+        np.testing.assert_allclose(session.run(["logits"], prefill_feed(session, ids))[0], reference, atol=1e-4)
+        assert meter.speedup([1], [3]) > 0 and list(meter.measured) == [(frozenset({1}), frozenset({3}))]
+
+
+def test_a_speedup_budget_mixes_a_fitted_run_with_fitted_attention(exported, tmp_path, monkeypatch, capsys):
     """`--budget speedup=X --moves blocks,fit`: besides the attention rows and the block rows, a row with
     ReplaceMe's run of fewer blocks and the lowest-scored attention layers outside it fitted on the model with the
-    run in place, sized by the profile; its perplexity is PyTorch's with the run and the map fitted independently
-    (numpy's lstsq on PyTorch hooks), and every row has its KV share and a measured speedup."""
+    run in place, sized by measured prefill (fixed speedups here); its perplexity is PyTorch's with the run and the
+    map fitted independently (numpy's lstsq on PyTorch hooks), and every row has its KV share and a measured
+    speedup."""
     from layerdrop.api.reports import plan_table
-    from layerdrop.search.selection import SpeedupProfile
     from tests.torch_reference import fitted, hook_scores, replaceme_reference
     from tests.torch_reference import perplexity as torch_perplexity
 
-    # a profile with fixed times (the real one is noisy at this size): attention 10%, MLP 5% of each prefill
-    modules = {("attn", k): 10.0 for k in range(4)} | {("mlp", k): 5.0 for k in range(4)}
-    monkeypatch.setattr(SpeedupProfile, "of", classmethod(lambda cls, *args: cls(32, 100.0, modules)))
+    _fixed_speedups(monkeypatch, [])
     folder = exported("llama", True)
     report = tmp_path / "plan.json"
     # 1.3x: attention alone needs 3 layers (70 left), blocks alone 2 (70 left), a run of 1 block + 1 layer (75 left)
     code = main(["plan", *NO_TASK, str(folder), "-o", str(tmp_path / "model"), "--budget", "speedup=1.3@32",
                  "--moves", "blocks,fit", "--samples", "4", "--search-samples", "2", "--eval-samples", "2",
-                 "--seq-len", "32", "--speedup-runs", "2", "--json", str(report), "--no-progress"])
+                 "--seq-len", "32", "--speedup-runs", "2", "--json", str(report)])
     assert code == 0
+    phases = re.findall(r"layerdrop plan: \[\d+/\d+\][^\r\n]*", capsys.readouterr().err)  # after bars' lines
+    assert [p.split("]")[0] for p in phases] == [f"layerdrop plan: [{i}/5" for i in range(1, 6)]
+    assert "sizing the rows" in phases[0] and "reaches 1.3x" in phases[0] and "measuring" in phases[-1]
     result = json.loads(report.read_text())
     assert result["attention_layers"] == 3 and result["block_count"] == 2 and result["speedup_tokens"] == 32
     rows = {row["method"]: row for row in result["methods"]}
@@ -351,3 +406,33 @@ def test_move_words_each_budget_takes():
     for words, kind in (("blocks,fit", "blocks"), ("fit,blocks", "attn"), ("blocks,shift", "speedup")):
         with pytest.raises(LayerdropError):
             parse_moves(words, kind)
+
+
+@pytest.mark.parametrize("curve", ["linear", "convex", "steps"])
+def test_speedup_sizing_finds_the_fewest_modules(curve):
+    """The count a speedup budget takes is the fewest lowest-scored modules whose measured speedup reaches it, as
+    a scan over every count finds, for savings that grow linearly, faster than linearly or in uneven steps; on a
+    smooth curve it measures a few counts, not all of them; out of reach is refused with the measured figure."""
+    from layerdrop.errors import LayerdropError
+    from layerdrop.search.selection import PrefillMeter, count_for_speedup, lowest_layers
+
+    rng = np.random.default_rng(3)
+    scores = {layer: float(s) for layer, s in enumerate(rng.random(30))}
+    order = lowest_layers(scores, 29)
+    steps = rng.random(30) * 0.02
+    saved = {"linear": lambda n: 0.012 * n, "convex": lambda n: 0.0005 * n * n,
+             "steps": lambda n: float(steps[:n].sum())}[curve]
+
+    class Fixed(PrefillMeter):
+        def speedup(self, blocks=(), attention=()):
+            assert not blocks and list(attention) == order[:len(attention)]  # the lowest-scored first
+            self.measured[(frozenset(blocks), frozenset(attention))] = 1 / (1 - saved(len(attention)))
+            return 1 / (1 - saved(len(attention)))
+
+    for value in (1.05, 1.1, 1.2):
+        meter = Fixed(None, None, 64, None)
+        fewest = min(n for n in range(1, 30) if 1 / (1 - saved(n)) >= value)
+        assert count_for_speedup(value, meter, scores, ("attn",)) == fewest
+        assert len(meter.measured) <= 5
+    with pytest.raises(LayerdropError, match=r"out of reach by removing attention alone.*all 29 give"):
+        count_for_speedup(1 / (1 - saved(29)) + 0.5, Fixed(None, None, 64, None), scores, ("attn",))

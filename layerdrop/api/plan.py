@@ -39,9 +39,8 @@ from layerdrop.search.fit import fit_attention, solo_fits
 from layerdrop.search.measure import branch_means
 from layerdrop.search.planner import bypass_search, candidate_pool, plan_attention, plan_fits
 from layerdrop.search.selection import (
-    SpeedupProfile,
+    PrefillMeter,
     attention_count_for,
-    block_modules,
     count_for_speedup,
     drop_iteratively,
     lowest_layers,
@@ -54,6 +53,7 @@ MOVES = ("drop", "bypass", "shift", "fit", "blocks")
 ACCURACY_ITEMS = 200  # multiple-choice items of the accuracy column
 ACCURACY_CONTEXT, ACCURACY_CONTINUATION = 32, 8  # tokens of an item's context and of each choice
 SPEEDUP_TOKENS, SPEEDUP_RUNS = 1024, 5  # a speedup budget's prefill length (without one in it); timed runs a row
+SIZING_RUNS = 3  # timed runs of each structure measured to size a speedup budget's rows
 
 
 @dataclass
@@ -141,10 +141,12 @@ def plan(
     each pool layer's map fitted alone, layers added greedily by search perplexity, then fitted bottom-up); without
     it, drops and bypasses (`plan_attention`), with and without the mean shift; drop and bypass rows are measured
     either way (the papers' methods). An attention or KV budget takes the attention moves, a `blocks=N` budget the
-    block moves, a `speedup=X@T` budget any of them (all by default): the attention rows remove as many
-    lowest-scored layers as the per-node profile at T tokens says reach X, the block rows as many blocks, and with
-    both kinds allowed, ReplaceMe's run of a third and of two thirds of those blocks comes with as many fitted (or
-    dropped) attention layers outside the run as the rest of the budget takes. The search windows come from the
+    block moves, a `speedup=X@T` budget any of them (all by default): the rows are sized by measured prefill at
+    T tokens (`search.selection.PrefillMeter`, a bisection on the count): the attention rows take the fewest
+    lowest-scored layers which, replaced by a map (or dropped, with neither fit nor bypass allowed), reach X, the
+    block rows the fewest lowest-scored blocks, and with both kinds allowed, ReplaceMe's run of a third and of two
+    thirds of those blocks comes with as many fitted (or dropped) attention layers outside the run as the rest of
+    the budget takes. The search windows come from the
     search part of `calib` (disjoint from its calibration windows, on which means and fits are estimated), or from
     `search_text` (all of it, unless it is `calib`): every choice (alphas, layers, ridges, the pick) is made on
     them, so a search text of several kinds guards the choices against the calibration text's kind; the pick
@@ -196,10 +198,21 @@ def plan(
     scores = {r["layer"]: r["score"] for r in rows if r["kind"] == "attn"}
     block_scores = {r["layer"]: r["score"] for r in rows if r["kind"] == "block"}
     speed_seq = speedup_tokens or seq or (SPEEDUP_TOKENS if kind == "speedup" else seq_len)  # timed column
-    profile = SpeedupProfile.of(model, folder.path, seq or SPEEDUP_TOKENS, threads) if kind == "speedup" else None
-    skipped: list[str] = []  # default moves that these windows cannot support, with the reason
-    count, block_count = _counts(kind, value, profile, scores, block_scores, allowed, skipped)
     session_args = {"provider": provider, "threads": threads}
+    base_session = make_session(model, folder=folder.path, **session_args)
+    meter = None
+    phase = _Phases(progress, 0)
+    if kind == "speedup":
+        tokens = seq or SPEEDUP_TOKENS
+        phase.total = 2 + 2 * bool(allowed - {"blocks", "shift"}) + ("blocks" in allowed)  # until the sizing says
+        phase(f"sizing the rows: the fewest layers and blocks whose measured prefill at {tokens} tokens reaches "
+              f"{value:g}x")
+        meter = PrefillMeter(model, folder.path, tokens, base_session, min(speedup_runs or SIZING_RUNS, SIZING_RUNS),
+                             maps=bool(allowed & {"fit", "bypass"}), **session_args,
+                             bar=tqdm(desc="sizing rows by measured prefill", unit="graph", disable=not progress,
+                                      leave=False))
+    skipped: list[str] = []  # default moves that these windows cannot support, with the reason
+    count, block_count = _counts(kind, value, meter, scores, block_scores, allowed, skipped)
     search_args = {**session_args, "batch_size": batch_size}  # sessions, and windows per run in every search
     fit_windows = None
     if "fit" in allowed or block_count:
@@ -207,7 +220,7 @@ def plan(
                                   seq_len=seq_len, sampling=sampling)
     grid = grid_of(allowed) if count else ()
     fits_searched = bool(count) and "fit" in allowed  # with fits allowed, the planner searches fits
-    phase = _Phases(progress, 1 + bool(count) + (fits_searched or bool(grid)) + bool(block_count))
+    phase.total = phase.done + 1 + bool(count) + (fits_searched or bool(grid)) + bool(block_count)
     candidates: list[Candidate] = []
     planned = None
     if count:
@@ -244,21 +257,24 @@ def plan(
             candidates.append(Candidate("planner", planned.alphas, moves=searched))
     if block_count:
         phase(f"block moves: ShortGPT's drop and ReplaceMe's fitted run of {block_count} blocks"
-              + (", and runs of fewer blocks with attention moves" if profile and allowed - {"blocks"} else ""))
+              + (", and runs of fewer blocks with attention moves" if meter and allowed - {"blocks"} else ""))
         candidates += _block_methods(model, folder.path, block_scores, block_count, fit_windows, search.ids,
                                      search_args, skipped)
-        if profile is not None and not any("ReplaceMe row left out" in why for why in skipped):
-            candidates += _mixed_methods(model, folder.path, profile, value, scores, block_count, fit_windows,
+        if meter is not None and not any("ReplaceMe row left out" in why for why in skipped):
+            candidates += _mixed_methods(model, folder.path, meter, value, scores, block_count, fit_windows,
                                          search, allowed, progress, search_args, skipped)
     phase(f"measuring {len(candidates)} rows on the search and held-out windows"
           + (f", and their prefill time at {speed_seq} tokens" if speedup_runs else ""))
+    if meter is not None:
+        meter.bar.close()
     return _finish(model, folder, out_dir, force, budget, (count, block_count), len(attention), candidates, allowed,
-                   search, held_out, started, search_args, fit_windows if "fit" in allowed or block_count else None,
+                   search, held_out, started, base_session, search_args,
+                   fit_windows if "fit" in allowed or block_count else None,
                    planned.log if planned is not None else [], (quantize, keep_float), skipped,
                    (speed_seq, speedup_runs), progress)
 
 
-def _counts(kind: str, value: float, profile: SpeedupProfile | None, scores: dict[int, float],
+def _counts(kind: str, value: float, meter: PrefillMeter | None, scores: dict[int, float],
             block_scores: dict[int, float], allowed: frozenset, skipped: list[str]) -> tuple[int | None, int | None]:
     """(attention layers, blocks) the budget asks of the attention rows and of the block rows (None: no such
     rows). A speedup that one kind of move cannot reach leaves its rows out with a note, unless neither can.
@@ -275,9 +291,9 @@ def _counts(kind: str, value: float, profile: SpeedupProfile | None, scores: dic
             continue
         try:
             if what == "attention":
-                found[what] = attention_count_for(kind, value, profile, scores)
+                found[what] = attention_count_for(kind, value, meter, scores)
             else:
-                found[what] = int(value) if kind == "blocks" else count_for_speedup(value, profile, block_scores,
+                found[what] = int(value) if kind == "blocks" else count_for_speedup(value, meter, block_scores,
                                                                                      ("attn", "mlp"))
         except LayerdropError as exc:
             errors.append(exc)
@@ -290,12 +306,10 @@ def _counts(kind: str, value: float, profile: SpeedupProfile | None, scores: dic
 
 def _finish(model: ir.Model, folder, out_dir: Path, force: bool, budget: str, counts: tuple, layers: int,
             candidates: list[Candidate], allowed: frozenset, search: Windows, held_out: _HeldOut, started: float,
-            search_args: dict, fit_windows: Windows | None, log: list[dict], output: tuple,
+            base_session, search_args: dict, fit_windows: Windows | None, log: list[dict], output: tuple,
             skipped: list[str], speed: tuple[int, int], progress: bool) -> dict:
     """Measure every candidate (a progress bar with the baseline's and the best held-out perplexity so far), pick
     the best allowed one on the search windows, write it; the plan's report."""
-    base_session = make_session(model, folder=folder.path, provider=search_args["provider"],
-                                threads=search_args["threads"])
     bar = tqdm(total=1 + len(candidates), desc="measuring rows", unit="row", disable=not progress, leave=False)
     base = _measured(model, folder.path, Candidate("baseline"), search, held_out, search_args, layers,
                      session=base_session)
@@ -309,7 +323,6 @@ def _finish(model: ir.Model, folder, out_dir: Path, force: bool, budget: str, co
         bar.set_postfix(baseline=f"{base['eval_ppl']:.2f}", best_held_out=f"{best['eval_ppl']:.2f}")
         bar.update()
     bar.close()
-    del base_session
     if held_out.items is not None:
         for row in table:
             row["accuracy_retained"] = 100.0 * row["accuracy"] / base["accuracy"] if base["accuracy"] else None
@@ -505,12 +518,12 @@ def _block_methods(model: ir.Model, folder: Path, block_scores: dict[int, float]
                                    ridges={run.start: run.ridge}, moves=moves)]
 
 
-def _mixed_methods(model: ir.Model, folder: Path, profile: SpeedupProfile, value: float, scores: dict[int, float],
+def _mixed_methods(model: ir.Model, folder: Path, meter: PrefillMeter, value: float, scores: dict[int, float],
                    block_count: int, fit_windows: Windows, search: Windows, allowed: frozenset, progress: bool,
                    search_args: dict, skipped: list[str]) -> list[Candidate]:
     """Speedup budgets with block and attention moves allowed: ReplaceMe's run (its selection and fit) of a third
     and of two thirds of the blocks the budget takes alone, then the lowest-scored attention layers outside the
-    run, as few as the profile needs to reach the budget with it, fitted on the model with the run in place (or
+    run, as few as reach the budget with it by measured prefill, fitted on the model with the run in place (or
     dropped, without the fit move)."""
     word = "fit" if "fit" in allowed else "drop" if "drop" in allowed else None
     if word is None:
@@ -521,8 +534,7 @@ def _mixed_methods(model: ir.Model, folder: Path, profile: SpeedupProfile, value
         gone = range(run.start + 1, run.start + 1 + size)
         rest = {layer: s for layer, s in scores.items() if layer not in gone}
         try:
-            layers = lowest_layers(rest, count_for_speedup(value, profile, rest, ("attn",),
-                                                           removed=block_modules(gone)))
+            layers = lowest_layers(rest, count_for_speedup(value, meter, rest, ("attn",), removed=gone))
         except LayerdropError as exc:
             skipped.append(_skip(f"the run of {size} blocks with attention moves left out: {exc}"))
             continue

@@ -7,7 +7,9 @@ import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import onnx_ir as ir
 
 from layerdrop.errors import LayerdropError
@@ -100,65 +102,127 @@ def parse_budget(text: str, attention_layers: int) -> tuple[str, float, int | No
     return kind, number, seq_len
 
 
-def attention_count_for(kind: str, value: float, profile: SpeedupProfile | None, scores: dict[int, float]) -> int:
-    """How many attention layers a budget asks to remove or bypass (for a speedup: the lowest-scored first, until
-    the profile says it is reached)."""
+def attention_count_for(kind: str, value: float, meter: PrefillMeter | None, scores: dict[int, float]) -> int:
+    """How many attention layers a budget asks to remove or bypass (for a speedup: the fewest lowest-scored whose
+    measured prefill reaches it)."""
     if kind in ("attn", "blocks"):
         return int(value)
     if kind == "kv":
         return max(1, math.ceil(len(scores) * (1 - value) - 1e-9))
-    return count_for_speedup(value, profile, scores, ("attn",))
+    return count_for_speedup(value, meter, scores, ("attn",))
 
 
 @dataclass
-class SpeedupProfile:
-    """Per-node ONNX Runtime profile times of one prefill at `seq` tokens, summed per module branch: what a set of
-    removed modules would save, ideally (ReplaceMe's folded map and a fitted map's MatMul count as free)."""
+class PrefillMeter:
+    """Measured prefill speedups at `seq` tokens of structure-only rewrites of `model`, each against the unpruned
+    model's session `base`, runs alternating (`runtime.bench.paired_speedup`, median of `runs`): what removing whole
+    blocks and replacing attention layers saves on this machine. An attention layer becomes what the allowed moves
+    leave of it: a d x d map (`maps`: a fitted map's MatMul and Add, the cost of a folded V·O bypass too; its
+    values do not matter, so zeros) or nothing (a drop). ReplaceMe's transform is folded into a kept block's MLP, so
+    a fitted run costs what dropping its blocks does. Each structure is measured once; `bar` (a tqdm bar) counts
+    the measurements."""
 
+    model: ir.Model
+    folder: Path
     seq: int
-    total: float
-    modules: dict[tuple[str, int], float] = field(default_factory=dict)  # (kind, layer) -> branch time
+    base: Any  # onnxruntime.InferenceSession of `model`
+    runs: int = 5
+    maps: bool = True
+    provider: str = "cpu"
+    threads: int | None = None
+    bar: Any = None
+    measured: dict = field(default_factory=dict)
 
-    @classmethod
-    def of(cls, model: ir.Model, folder: Path, seq: int, threads: int | None) -> SpeedupProfile:
-        from layerdrop.runtime.bench import node_times
+    def speedup(self, blocks: Iterable[int] = (), attention: Iterable[int] = ()) -> float:
+        """The measured prefill speedup with these blocks removed and these attention layers replaced."""
+        key = (frozenset(blocks), frozenset(attention))
+        if key not in self.measured:
+            from layerdrop.runtime.bench import paired_speedup
+            from layerdrop.runtime.session import make_session
 
-        times = node_times(folder, seq, runs=2, threads=threads)
-        modules: dict[tuple[str, int], float] = {}
-        for region in annotated_regions(model):
-            if region.kind in ("attn", "mlp"):
-                key = (region.kind, region.layer)
-                modules[key] = modules.get(key, 0.0) + sum(times.get(n.name, 0.0) for n in region.branch)
-        return cls(seq, sum(times.values()), modules)
+            session = make_session(self.structure(*key), folder=self.folder, provider=self.provider,
+                                   threads=self.threads)
+            self.measured[key] = paired_speedup(self.base, session, self.seq, runs=self.runs)["speedup"]
+            if self.bar is not None:
+                self.bar.set_postfix(blocks=len(key[0]), attention=len(key[1]),
+                                     speedup=f"{self.measured[key]:.3f}x")
+                self.bar.update()
+        return self.measured[key]
 
-    def speedup(self, removed: Iterable[tuple[str, int]]) -> float:
-        """The ideal prefill speedup with these (kind, layer) modules gone."""
-        saved = sum(self.modules.get(module, 0.0) for module in set(removed))
-        return self.total / max(self.total - saved, 1e-9)
+    def savings(self) -> tuple[float, float]:
+        """The share of prefill time one block's removal and one attention layer's replacement save, by least
+        squares over the structures measured so far (0 for a kind none of them changed)."""
+        if not self.measured:
+            return 0.0, 0.0
+        counts = np.array([[len(blocks), len(attention - blocks)] for blocks, attention in self.measured], float)
+        saved = np.array([1 - 1 / speedup for speedup in self.measured.values()])
+        per_block, per_layer = np.linalg.lstsq(counts, saved, rcond=None)[0]
+        return float(per_block), float(per_layer)
+
+    def structure(self, blocks: Iterable[int], attention: Iterable[int]) -> ir.Model:
+        """A copy of the model with `blocks` dropped and `attention` replaced by zero maps (or dropped)."""
+        from layerdrop.model_folder import copy_model
+        from layerdrop.passes.fit_attention import FitAttentionPass
+
+        copy = copy_model(self.model)
+        attention = sorted(set(attention) - set(blocks))
+        drops = [("block", k) for k in sorted(blocks)] + ([] if self.maps else [("attn", k) for k in attention])
+        passes: list[ir.passes.PassBase] = [DropBranchesPass(drops, reason="sizing")] if drops else []
+        if self.maps and attention:
+            regions = {r.layer: r for r in annotated_regions(copy) if r.kind == "attn"}
+            width = {k: regions[k].skip.shape[-1] if regions[k].skip.shape is not None else None for k in attention}
+            if not all(isinstance(d, int) for d in width.values()):
+                raise LayerdropError("a speedup budget needs the hidden size in the graph's shapes to time fitted "
+                                     "maps; run the graph through onnx shape inference, or use --moves drop,blocks")
+            passes.append(FitAttentionPass({k: (np.zeros((d, d), np.float32), np.zeros(d, np.float32))
+                                            for k, d in width.items()}, reason="sizing"))
+        run_passes(copy, [*passes, PruneKvCachePass(), *cleanup_passes(), FindResidualsPass()])
+        return copy
 
 
-def block_modules(layers: Iterable[int]) -> list[tuple[str, int]]:
-    """The modules whole blocks remove: their attention and their MLP."""
-    return [(kind, layer) for layer in layers for kind in ("attn", "mlp")]
+def count_for_speedup(value: float, meter: PrefillMeter, scores: dict[int, float], kinds: tuple[str, ...],
+                      removed: Iterable[int] = ()) -> int:
+    """The fewest lowest-scored modules whose removal, with the `removed` blocks, reaches a measured prefill
+    speedup of `value` (`meter`): attention layers (`kinds` ("attn",)), or whole blocks (("attn", "mlp"); `scores`
+    are then block scores). One must stay (a block, or an attention layer with its cache).
 
-
-def count_for_speedup(value: float, profile: SpeedupProfile, scores: dict[int, float], kinds: tuple[str, ...],
-                      removed: Iterable[tuple[str, int]] = ()) -> int:
-    """The fewest lowest-scored modules whose removal, with the `removed` ones, reaches a prefill speedup of `value`
-    by the profile: attention branches (`kinds` ("attn",)), or whole blocks (("attn", "mlp"); `scores` are then
-    block scores, and a block must stay).
+    The saved share of prefill time, 1 - 1/speedup, grows about linearly with the count, so the count is searched
+    on that line: a first guess from the per-module savings measured so far (`meter.savings`; half the modules
+    when there are none), then guesses interpolated inside the bracket of a count that falls short and one that
+    reaches, until they are neighbours. A few measurements, each a rewrite and `meter.runs` prefills of it and of
+    the original, alternating.
 
     Raises:
-        LayerdropError: even every module does not reach it.
+        LayerdropError: even every module but one does not reach it.
     """
     blocks = len(kinds) > 1
     gone = list(removed)
-    allowed = lowest_layers(scores, len(scores) - blocks)
-    chosen: list[tuple[str, int]] = []
-    for count, layer in enumerate(allowed, start=1):
-        chosen += block_modules([layer]) if blocks else [("attn", layer)]
-        if profile.speedup(gone + chosen) >= value:
-            return count
-    what = "whole blocks (one must stay)" if blocks else "attention alone"
-    raise LayerdropError(f"--budget speedup={value:g} is out of reach by removing {what}: all {len(allowed)} give "
-                         f"{profile.speedup(gone + chosen):.2f}x; ask for less")
+    allowed = lowest_layers(scores, len(scores) - 1)
+    target = 1 - 1 / value
+    per_block, per_layer = meter.savings()
+    rate = per_block if blocks else per_layer
+    saved = {0: per_block * len(gone)}  # count -> measured saved share (estimated at 0)
+
+    def measure(count: int) -> float:
+        chosen = allowed[:count]
+        speedup = meter.speedup(gone + chosen, []) if blocks else meter.speedup(gone, chosen)
+        return 1 - 1 / speedup
+
+    low, high = 0, None  # saved[low] < target <= saved[high]
+    guess = math.ceil((target - saved[0]) / rate) if rate > 0 else len(allowed) // 2
+    while True:
+        probe = min(max(guess, low + 1), len(allowed) if high is None else high - 1)
+        saved[probe] = measure(probe)
+        low, high = (low, probe) if saved[probe] >= target else (probe, high)
+        if high is not None and high - low == 1:
+            return high
+        if high is None and low == len(allowed):
+            what = "whole blocks (one must stay)" if blocks else "attention alone (one layer must keep its cache)"
+            raise LayerdropError(f"--budget speedup={value:g} is out of reach by removing {what}: all "
+                                 f"{len(allowed)} give {1 / (1 - saved[low]):.2f}x measured at {meter.seq} "
+                                 "tokens; ask for less")
+        top = high if high is not None else low  # the line through the bracket (or from the start to `low`)
+        bottom = low if high is not None else 0
+        slope = (saved[top] - saved[bottom]) / (top - bottom) if top > bottom else 0.0
+        guess = (bottom + math.ceil((target - saved[bottom]) / slope) if slope > 0
+                 else len(allowed) if high is None else (low + high) // 2)
