@@ -141,23 +141,22 @@ def plan(
     each pool layer's map fitted alone, layers added greedily by search perplexity, then fitted bottom-up); without
     it, drops and bypasses (`plan_attention`), with and without the mean shift; drop and bypass rows are measured
     either way (the papers' methods). An attention or KV budget takes the attention moves, a `blocks=N` budget the
-    block moves, a `speedup=X@T` budget any of them (all by default): the rows are sized by measured prefill at
-    T tokens (`search.selection.PrefillMeter`, a bisection on the count): the attention rows take the fewest
-    lowest-scored layers which, replaced by a map (or dropped, with neither fit nor bypass allowed), reach X, the
-    block rows the fewest lowest-scored blocks, and with both kinds allowed, ReplaceMe's run of a third and of two
-    thirds of those blocks comes with as many fitted (or dropped) attention layers outside the run as the rest of
-    the budget takes. The search windows come from the
-    search part of `calib` (disjoint from its calibration windows, on which means and fits are estimated), or from
-    `search_text` (all of it, unless it is `calib`): every choice (alphas, layers, ridges, the pick) is made on
-    them, so a search text of several kinds guards the choices against the calibration text's kind; the pick
-    is the row with the lowest search perplexity among those the allowed moves make, and every row is also
-    measured on `eval_text`, which no estimate or choice ever sees (its evaluation part, if it is `calib` itself),
-    and on each `also_eval` text (other kinds, say). With `accuracy_items` > 0 (and lm-eval installed), every row
-    also gets its accuracy on a multiple-choice task of that many items built from the held-out text
-    (`runtime.tasks`: a window's next tokens against three other windows' ones), run through lm-eval and the
-    `layerdrop` lm-eval model, and that accuracy as a percentage of the baseline's. With `speedup_runs` > 0, every
-    row's prefill at `speedup_tokens` (default: a speedup budget's T, 1024 if it names none, else `seq_len`) is
-    timed against the baseline's, runs alternating, and the ratio of the medians is its measured speedup.
+    block moves, a `speedup=X@T` budget any of them (all by default): the rows are sized by measured prefill at T
+    tokens (`search.selection.count_for_speedup`): the attention rows take the fewest lowest-scored layers which,
+    replaced by a map (or dropped, with neither fit nor bypass allowed), reach X, the block rows the fewest
+    lowest-scored blocks, and with both kinds allowed, ReplaceMe's run of a third and of two thirds of those blocks
+    comes with as many fitted (or dropped) attention layers outside the run as the rest of the budget takes. The
+    search windows come from the search part of `calib` (disjoint from its calibration windows, on which means and
+    fits are estimated), or from `search_text` (all of it, unless it is `calib`): every choice (alphas, layers,
+    ridges, the pick) is made on them, so a search text of several kinds guards the choices against the calibration
+    text's kind; the pick is the row with the lowest search perplexity among those the allowed moves make, and every
+    row is also measured on `eval_text`, which no estimate or choice ever sees (its evaluation part, if it is
+    `calib` itself), and on each `also_eval` text (other kinds, say). With `accuracy_items` > 0 (and lm-eval
+    installed), every row also gets its accuracy on a multiple-choice task of that many items built from the
+    held-out text (`runtime.tasks`: a window's next tokens against three other windows' ones), run through lm-eval
+    and the `layerdrop` lm-eval model, and that accuracy as a percentage of the baseline's. With `speedup_runs` > 0,
+    every row's prefill at `speedup_tokens` (default: a speedup budget's T, 1024 if it names none, else `seq_len`)
+    is timed against the baseline's, runs alternating, and the ratio of the medians is its measured speedup.
 
     Returns:
         {"budget", "attention_layers" (of the attention rows; blocks, without them), "block_count" (of the block
