@@ -198,7 +198,7 @@ def plan(
     block_scores = {r["layer"]: r["score"] for r in rows if r["kind"] == "block"}
     speed_seq = speedup_tokens or seq or (SPEEDUP_TOKENS if kind == "speedup" else seq_len)  # timed column
     session_args = {"provider": provider, "threads": threads}
-    base_session = make_session(model, folder=folder.path, **session_args)
+    base_session = None  # built once, here for a speedup budget's sizing, else for measuring the rows
     meter = None
     phase = _Phases(progress, 0)
     if kind == "speedup":
@@ -206,6 +206,7 @@ def plan(
         phase.total = 2 + 2 * bool(allowed - {"blocks", "shift"}) + ("blocks" in allowed)  # until the sizing says
         phase(f"sizing the rows: the fewest layers and blocks whose measured prefill at {tokens} tokens reaches "
               f"{value:g}x")
+        base_session = make_session(model, folder=folder.path, **session_args)
         meter = PrefillMeter(model, folder.path, tokens, base_session, min(speedup_runs or SIZING_RUNS, SIZING_RUNS),
                              maps=bool(allowed & {"fit", "bypass"}), **session_args,
                              bar=tqdm(desc="sizing rows by measured prefill", unit="graph", disable=not progress,
@@ -262,10 +263,10 @@ def plan(
         if meter is not None and not any("ReplaceMe row left out" in why for why in skipped):
             candidates += _mixed_methods(model, folder.path, meter, value, scores, block_count, fit_windows,
                                          search, allowed, progress, search_args, skipped)
-    phase(f"measuring {len(candidates)} rows on the search and held-out windows"
-          + (f", and their prefill time at {speed_seq} tokens" if speedup_runs else ""))
     if meter is not None:
         meter.bar.close()
+    phase(f"measuring {len(candidates)} rows on the search and held-out windows"
+          + (f", and their prefill time at {speed_seq} tokens" if speedup_runs else ""))
     return _finish(model, folder, out_dir, force, budget, (count, block_count), len(attention), candidates, allowed,
                    search, held_out, started, base_session, search_args,
                    fit_windows if "fit" in allowed or block_count else None,
@@ -309,6 +310,9 @@ def _finish(model: ir.Model, folder, out_dir: Path, force: bool, budget: str, co
             skipped: list[str], speed: tuple[int, int], progress: bool) -> dict:
     """Measure every candidate (a progress bar with the baseline's and the best held-out perplexity so far), pick
     the best allowed one on the search windows, write it; the plan's report."""
+    if base_session is None:
+        base_session = make_session(model, folder=folder.path, provider=search_args["provider"],
+                                    threads=search_args["threads"])
     bar = tqdm(total=1 + len(candidates), desc="measuring rows", unit="row", disable=not progress, leave=False)
     base = _measured(model, folder.path, Candidate("baseline"), search, held_out, search_args, layers,
                      session=base_session)
