@@ -31,7 +31,7 @@ def main() -> None:
     items = _accuracy_rows(folder.path, None, args.items, "", Sampling())
     session = make_session(model, folder=folder.path, threads=args.threads)
     started = time.perf_counter()
-    accuracy = _accuracy(model, session, folder.path, items, {"batch_size": 1})
+    accuracy = _accuracy(model, session, folder.path, items, {"batch_size": 1}).accuracy
     seconds = round(time.perf_counter() - started, 1)
     print(json.dumps({"export": str(args.export), "items": len(items), "seconds": seconds, "accuracy": accuracy}))
 

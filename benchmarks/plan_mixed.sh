@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 16: the planner at attn=8 on SmolLM2, calibrated on the bundled mixed-kind text (the default), every row
-# also evaluated on texts of other kinds and on the next-tokens multiple-choice task from the held-out prose.
+# also evaluated on texts of other kinds (docs, code, and the dictionary, a kind the mix does not hold) and on the
+# next-tokens multiple-choice task from the held-out prose.
 #
 #   bash benchmarks/plan_mixed.sh [EXPORT] [OUT] [TEXT] [SEARCH]
 #
@@ -22,6 +23,7 @@ mkdir -p "$out"
 layerdrop score "$export_dir" -o "$out/scored" --calib "$text" --threads 2 --no-progress --force \
     --json "$out/score.json"
 /usr/bin/time -v layerdrop plan "$out/scored" -o "$out/plan" --budget "${BUDGET:-attn=8}" --calib "$text" \
-    "${search[@]}" ${PLAN_ARGS:-} --also-eval docs --also-eval code --threads 2 --force --json "$out/plan.json" \
+    "${search[@]}" ${PLAN_ARGS:-} --also-eval docs --also-eval code --also-eval dictionary --threads 2 --force \
+    --json "$out/plan.json" \
     2> "$out/plan.log" | tee "$out/plan.md"
 grep -E "Elapsed|Maximum resident" "$out/plan.log"

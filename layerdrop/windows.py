@@ -53,7 +53,9 @@ BUNDLED = {"calib": "mixed kinds: narrative prose, a dialogue in verse, technica
            "prose": "Jane Austen, Persuasion (narrative prose; the calibration text before 2026-12-02)",
            "eval": "Jane Austen, Northanger Abbey (the default evaluation text)",
            "docs": "technical writing: docstrings of Python's standard library",
-           "code": "code: Python standard-library source"}
+           "code": "code: Python standard-library source",
+           "dictionary": "reference entries: Ambrose Bierce, The Devil's Dictionary (satirical definitions, some "
+                         "verse; a kind the default calibration text does not hold)"}
 
 
 def bundled_text(part: str) -> Path:
@@ -63,8 +65,8 @@ def bundled_text(part: str) -> Path:
 
 def resolve_text(text: Path | str | None, role: str = "calib") -> Path:
     """The file a text argument names: the role's bundled default for None, an existing path as it is, else a bundled
-    text's name (`BUNDLED`: calib, prose, eval, docs, code); anything else is returned for `TextSource.open` to
-    refuse."""
+    text's name (`BUNDLED`: calib, prose, eval, docs, code, dictionary); anything else is returned for
+    `TextSource.open` to refuse."""
     if text is None:
         return bundled_text("eval" if role == "eval" else "calib")
     path = Path(text)

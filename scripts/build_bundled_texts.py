@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import re
 import sys
 import sysconfig
 from pathlib import Path
@@ -114,11 +115,33 @@ def build_mixed(prose: str, job: str, stdlib: Path) -> str:
     return "\n".join(line.rstrip() for line in text.split("\n"))
 
 
+DICTIONARY_BYTES = 200_000  # dictionary.txt: its entries from the first, cut before the entry that would pass this
+HEADWORD = re.compile(r"^[A-Z][A-Z' .-]*, [a-z]+\.", re.MULTILINE)  # "ABASEMENT, n." starts an entry
+
+
+def build_dictionary(raw: str) -> str:
+    """dictionary.txt: the entries of The Devil's Dictionary from the first ("ABASEMENT, n."), cut before the entry
+    that would take it past DICTIONARY_BYTES. `raw` is Debian's dict-devil `devil.dict.dz`, decompressed: its
+    database header and the book's preface come before the first entry and are left out, and dictfmt's braces
+    around cross-references ("See {HUSBAND}.") are removed. Lines lose trailing spaces, runs of blank lines become
+    one."""
+    first = HEADWORD.search(raw)
+    if first is None:
+        raise ValueError("no dictionary entry (a line like 'ABASEMENT, n.') in the text")
+    text = raw[first.start():].replace("{", "").replace("}", "")
+    text = re.sub(r"\n{3,}", "\n\n", "\n".join(line.rstrip() for line in text.split("\n")))
+    starts = [match.start() for match in HEADWORD.finditer(text)]
+    cut = [start for start in starts if len(text[:start].encode("utf-8")) <= DICTIONARY_BYTES][-1]
+    cut = len(text) if len(text.encode("utf-8")) <= DICTIONARY_BYTES else cut
+    return text[:cut].rstrip("\n") + "\n"
+
+
 def main() -> None:
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--job", type=Path, help="the Book of Job as `bible -l1000 'Job 1:1-42:17'` prints it")
+    parser.add_argument("--devil", type=Path, help="Debian dict-devil's devil.dict.dz, decompressed (SOURCE.md)")
     args = parser.parse_args()
     data = Path(__file__).resolve().parent.parent / "layerdrop" / "data"
     texts = build()
@@ -126,6 +149,8 @@ def main() -> None:
         stdlib = Path(sysconfig.get_paths()["stdlib"])
         texts["calib.txt"] = build_mixed((data / "prose.txt").read_text(encoding="utf-8"),
                                          args.job.read_text(encoding="utf-8"), stdlib)
+    if args.devil is not None:
+        texts["dictionary.txt"] = build_dictionary(args.devil.read_text(encoding="utf-8"))
     for file_name, text in texts.items():
         (data / file_name).write_text(text, encoding="utf-8")
         digest = hashlib.sha256(text.encode("utf-8")).hexdigest()

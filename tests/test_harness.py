@@ -258,11 +258,13 @@ def test_adapter_follows_a_bos_tokenizer_like_lm_evals_hf(exported, hf_folder, t
 
 
 def test_plan_accuracy_column_matches_lm_eval_hf_model(exported, hf_folder, tmp_path):
-    """`plan`'s accuracy column: the baseline's and the one-shot drop's accuracy on the plan's own items equal lm-eval's
-    `hf` model on the PyTorch model (the drop's with the same attention layers replaced by zero branches); the
-    retained share is their ratio; a second held-out text gets its own perplexity column."""
+    """`plan`'s accuracy column: the baseline's and the one-shot drop's accuracy on the plan's own items, and each
+    item's outcome, equal lm-eval's `hf` model on the PyTorch model (the drop's with the same attention layers
+    replaced by zero branches); the retained share is their ratio, and the difference and its paired standard error
+    are those of the reference's outcomes (counted from the items the two get differently); a second held-out text
+    gets its own perplexity column."""
     from layerdrop.api.reports import plan_table
-    from layerdrop.runtime.tasks import choice_accuracy
+    from layerdrop.runtime.tasks import choice_scores
 
     folder = exported("llama", True)
     result = api.plan(folder, tmp_path / "plan", budget="attn=1", samples=4, search_samples=2, eval_samples=2,
@@ -273,12 +275,41 @@ def test_plan_accuracy_column_matches_lm_eval_hf_model(exported, hf_folder, tmp_
     assert all(len(item["choices"]) == 4 and item["context"] for item in items)
     assert len({item["choices"][item["answer"]] for item in items}) > 30  # the true continuations differ
     torch_model = _hf_reference(hf_folder)
-    assert result["baseline"]["accuracy"] == pytest.approx(choice_accuracy(_hf_model(torch_model, folder), items))
+    base = choice_scores(_hf_model(torch_model, folder), items)
+    assert result["baseline"]["accuracy"] == pytest.approx(base.accuracy)
+    assert result["baseline"]["accuracy_correct"] == base.correct.tolist()
+    assert np.mean(base.correct) == pytest.approx(base.accuracy)
     row = next(r for r in result["methods"] if r["method"].startswith("paper 1: one-shot"))
     targets = [("attn", layer) for layer in row["alphas"]]
-    expected = choice_accuracy(_hf_model(replaced(torch_model, targets), folder), items)
-    assert row["accuracy"] == pytest.approx(expected)
-    assert row["accuracy_retained"] == pytest.approx(100 * expected / result["baseline"]["accuracy"])
+    expected = choice_scores(_hf_model(replaced(torch_model, targets), folder), items)
+    assert row["accuracy"] == pytest.approx(expected.accuracy)
+    assert row["accuracy_correct"] == expected.correct.tolist()
+    assert row["accuracy_retained"] == pytest.approx(100 * expected.accuracy / base.accuracy)
+    gained = int(np.sum((expected.correct == 1) & (base.correct == 0)))
+    lost = int(np.sum((expected.correct == 0) & (base.correct == 1)))
+    assert gained + lost > 0  # the drop changes some answers, so the check below has something to check
+    n = len(items)
+    difference = (gained - lost) / n
+    variance = (gained + lost - n * difference**2) / (n - 1)  # of the item-by-item differences, from the counts
+    assert row["accuracy_difference"] == pytest.approx(100 * difference)
+    assert row["accuracy_difference_se"] == pytest.approx(100 * np.sqrt(variance / n))
     assert set(row["also_eval_ppl"]) == {"code.txt"} and row["also_eval_ppl"]["code.txt"] > 1
     table = plan_table(result)
     assert "held-out ppl (code.txt)" in table and "accuracy, 40 items (retained)" in table
+    assert f"{row['accuracy_difference']:+.1f} ± {row['accuracy_difference_se']:.1f}" in table
+
+
+def test_paired_difference_of_outcomes():
+    """The difference of two models' outcomes on the same items and its standard error: a hand count (3 items
+    gained, 1 lost of 8: +0.25, and the differences' sample variance (4 - 8 * 0.25**2) / 7), and a refusal of
+    outcomes that are not of the same items."""
+    from layerdrop.runtime.tasks import paired_difference
+
+    row = np.array([1, 1, 1, 0, 1, 0, 1, 0])
+    base = np.array([0, 0, 0, 1, 1, 0, 1, 0])
+    difference, error = paired_difference(row, base)
+    assert difference == pytest.approx(0.25)
+    assert error == pytest.approx(np.sqrt((4 - 8 * 0.25**2) / 7 / 8))
+    assert paired_difference(base, base) == (0.0, 0.0)
+    with pytest.raises(ValueError, match="same items"):
+        paired_difference(row, base[:-1])

@@ -292,7 +292,7 @@ def test_bos_windows_predict_every_text_token_and_never_the_bos(bos_model):
 
 # -- bundled texts of other kinds -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["docs", "code", "prose"])
+@pytest.mark.parametrize("name", ["docs", "code", "prose", "dictionary"])
 def test_bundled_texts_of_other_kinds_are_named_like_files(name, tiny_tokenizer_file, tmp_path, monkeypatch):
     """`--calib code` reads the bundled file; a file of that name in the working folder wins over the bundled one."""
     folder = _folder_with(tmp_path, tiny_tokenizer_file)
@@ -337,7 +337,7 @@ def test_the_default_calibration_text_mixes_kinds_and_keeps_the_evaluation_texts
 
     raw = bundled_text("calib").read_bytes()
     mixed = raw.decode("utf-8")
-    for held_out in ("eval", "docs", "code"):
+    for held_out in ("eval", "docs", "code", "dictionary"):
         lines = {line for line in bundled_text(held_out).read_text(encoding="utf-8").split("\n") if len(line) > 60}
         shared = [line for line in mixed.split("\n") if line in lines]
         assert len(shared) < 5, (held_out, shared[:5])  # a licence line may recur, no passage does
@@ -361,6 +361,32 @@ def test_the_default_calibration_text_mixes_kinds_and_keeps_the_evaluation_texts
     assert seen == {"prose", "verse", "docs", "code"}
     source = (Path(__file__).resolve().parent.parent / "layerdrop" / "data" / "SOURCE.md").read_text()
     assert f"`calib.txt` SHA-256 `{hashlib.sha256(raw).hexdigest()}`" in source
+
+
+def test_the_dictionary_text_is_its_entries_cut_at_an_entry(monkeypatch):
+    """build_dictionary leaves out the dict header and the preface, removes dictfmt's braces, and cuts before the
+    entry that would pass the size; the shipped file starts at the first entry and ends with a whole one."""
+    import re
+
+    builder = _build_script()
+    raw = ("00-database-short\n     The Devil's Dictionary\n\n   PREFACE\nA, B, c. is no entry.\n\n"
+           "ABASEMENT, n.  A decent attitude.   \n\n\n\nACADEMY, n.  [from {ACADEME}]  A school.\n\n"
+           "    Said a man, \"Not so.\"\n                G.J.\n\nBRUTE, n.  See {HUSBAND}.\n")
+    monkeypatch.setattr(builder, "DICTIONARY_BYTES", 1000)
+    assert builder.build_dictionary(raw) == ("ABASEMENT, n.  A decent attitude.\n\nACADEMY, n.  [from ACADEME]  "
+                                             "A school.\n\n    Said a man, \"Not so.\"\n                G.J.\n\n"
+                                             "BRUTE, n.  See HUSBAND.\n")
+    whole = builder.build_dictionary(raw)
+    monkeypatch.setattr(builder, "DICTIONARY_BYTES", whole.index("BRUTE"))  # BRUTE would pass it: cut before it
+    assert builder.build_dictionary(raw) == whole[:whole.index("BRUTE")].rstrip("\n") + "\n"
+    monkeypatch.setattr(builder, "DICTIONARY_BYTES", whole.index("BRUTE") - 1)  # now ACADEMY would pass it too
+    assert builder.build_dictionary(raw) == "ABASEMENT, n.  A decent attitude.\n"
+    with pytest.raises(ValueError, match="no dictionary entry"):
+        builder.build_dictionary("PREFACE\nnothing here\n")
+    shipped = bundled_text("dictionary").read_text(encoding="utf-8")
+    assert shipped.startswith("ABASEMENT, n.") and "{" not in shipped and len(shipped.encode()) <= 200_000
+    last = [m.start() for m in re.finditer(r"^[A-Z][A-Z' .-]*, [a-z]+\.", shipped, re.MULTILINE)][-1]
+    assert shipped[last:].startswith("LORD, n.") and shipped.endswith("\n") and not shipped.endswith("\n\n")
 
 
 def _build_script():

@@ -154,7 +154,9 @@ def plan(
     `calib` itself), and on each `also_eval` text (other kinds, say). With `accuracy_items` > 0 (and lm-eval
     installed), every row also gets its accuracy on a multiple-choice task of that many items built from the
     held-out text (`runtime.tasks`: a window's next tokens against three other windows' ones), run through lm-eval
-    and the `layerdrop` lm-eval model, and that accuracy as a percentage of the baseline's. With `speedup_runs` > 0,
+    and the `layerdrop` lm-eval model, that accuracy as a percentage of the baseline's, and its difference from
+    the baseline's in points with the standard error of that difference over the same items (item by item,
+    `runtime.tasks.paired_difference`: how far the choice of items alone could move it). With `speedup_runs` > 0,
     every row's prefill at `speedup_tokens` (default: a speedup budget's T, 1024 if it names none, else `seq_len`)
     is timed against the baseline's, runs alternating, and the ratio of the medians is its measured speedup.
 
@@ -162,7 +164,8 @@ def plan(
         {"budget", "attention_layers" (of the attention rows; blocks, without them), "block_count" (of the block
          rows, or None), "kv_fraction_kept", "moves", "speedup_tokens", "pick": {...}, "methods": [{"method",
          "alphas", "fits", "ridges", "shift", "blocks", "replaced_into", "run_ridge", "moves", "kv_kept",
-         "speedup", "search_ppl", "eval_ppl", "also_eval_ppl": {text: ppl}, "accuracy", "accuracy_retained"}],
+         "speedup", "search_ppl", "eval_ppl", "also_eval_ppl": {text: ppl}, "accuracy", "accuracy_retained",
+         "accuracy_difference", "accuracy_difference_se" (points), "accuracy_correct" (each item: 1 right, 0 wrong)}],
          "baseline": {...}, "search_seconds", "also_eval_texts",
          "accuracy_items", "accuracy_task": [{"context", "choices", "answer"}],
          "search_text", "eval_text", "fit_text", "skipped": [why a default move made no row, e.g. too few
@@ -327,13 +330,18 @@ def _finish(model: ir.Model, folder, out_dir: Path, force: bool, budget: str, co
         bar.update()
     bar.close()
     if held_out.items is not None:
+        from layerdrop.runtime.tasks import paired_difference
+
         for row in table:
             row["accuracy_retained"] = 100.0 * row["accuracy"] / base["accuracy"] if base["accuracy"] else None
+            difference, error = paired_difference(row["accuracy_correct"], base["accuracy_correct"])
+            row["accuracy_difference"], row["accuracy_difference_se"] = 100.0 * difference, 100.0 * error
     eligible = [row for row, c in zip(table, candidates) if c.moves <= allowed]
     pick_row = min(eligible, key=lambda row: row["search_ppl"])
     pick = candidates[table.index(pick_row)]
     seconds = time.perf_counter() - started
-    baseline = {key: base[key] for key in ("search_ppl", "eval_ppl", "also_eval_ppl", "accuracy") if key in base}
+    baseline = {key: base[key] for key in ("search_ppl", "eval_ppl", "also_eval_ppl", "accuracy", "accuracy_correct")
+                if key in base}
     count, block_count = counts
     fitted = any(c.fits is not None or c.run is not None for c in candidates)
     result = {"budget": budget, "attention_layers": count if count is not None else block_count,
@@ -468,7 +476,8 @@ def _measured(model: ir.Model, folder: Path, candidate: Candidate, search: Windo
         row["also_eval_ppl"] = {w.source["file"]: perplexity(session, w.ids, batch_size=batch).perplexity
                                 for w in held_out.others}
     if held_out.items is not None:
-        row["accuracy"] = _accuracy(rewritten, session, folder, held_out.items, search_args)
+        scores = _accuracy(rewritten, session, folder, held_out.items, search_args)
+        row["accuracy"], row["accuracy_correct"] = scores.accuracy, [int(c) for c in scores.correct]
     if speed is not None and speed[2]:
         base_session, tokens, runs = speed
         row["speedup"] = paired_speedup(base_session, session, tokens, runs=runs)["speedup"]
@@ -495,14 +504,15 @@ def _accuracy_rows(folder: Path, eval_text: Path | None, items: int, calibration
     return next_tokens_rows(windows.ids[:, bos:], tokenizer.decode, ACCURACY_CONTINUATION)
 
 
-def _accuracy(model: ir.Model, session, folder: Path, items: list[dict], search_args: dict) -> float:
-    """lm-eval's accuracy on the items, through the `layerdrop` lm-eval model on the row's own session."""
+def _accuracy(model: ir.Model, session, folder: Path, items: list[dict], search_args: dict):
+    """lm-eval's accuracy on the items and each item's outcome (`runtime.tasks.ChoiceScores`), through the
+    `layerdrop` lm-eval model on the row's own session."""
     from layerdrop.runtime.harness import LayerdropLM
-    from layerdrop.runtime.tasks import choice_accuracy
+    from layerdrop.runtime.tasks import choice_scores
 
     lm = LayerdropLM(path=str(folder), model=model, session=session, batch_size=max(8, search_args["batch_size"]),
                      progress=False)
-    return choice_accuracy(lm, items)
+    return choice_scores(lm, items)
 
 
 def _block_methods(model: ir.Model, folder: Path, block_scores: dict[int, float], count: int, fit_windows: Windows,

@@ -55,7 +55,8 @@ def side_by_side(bench: dict, method: str, quality: list[dict] | None = None, re
 def plan_table(result: dict) -> str:
     """The planner's comparison (markdown): every method at the same budget, its moves, the share of attention
     layers that keep a KV cache, the measured prefill speedup (where measured), search and held-out perplexity,
-    the other held-out texts' perplexity and the task accuracy (retained % of the baseline) where measured."""
+    the other held-out texts' perplexity and the task accuracy (retained % of the baseline, and its difference
+    from the baseline's with the standard error of that difference over the same items) where measured."""
     others = [text["file"] for text in result.get("also_eval_texts", [])]
     accuracy = bool(result.get("accuracy_items"))
     speed = result.get("speedup_tokens")
@@ -65,7 +66,8 @@ def plan_table(result: dict) -> str:
     held_out = f"held-out ppl ({held['file']})" if held.get("file") else "held-out ppl"
     head = (["KV kept"] + ([f"prefill speedup at {speed} tokens"] if speed else []) + [search, held_out]
             + [f"held-out ppl ({name})" for name in others]
-            + ([f"accuracy, {result['accuracy_items']} items (retained)"] if accuracy else []))
+            + ([f"accuracy, {result['accuracy_items']} items (retained)",
+                "accuracy against the baseline, points (± paired SE)"] if accuracy else []))
     lines = [f"| method (budget {result['budget']}) | moves: layer:alpha (0 = drop, or the mean with the shift; fit = "
              "fitted map), blocks removed | " + " | ".join(head) + " |", "|---|---|" + "---|" * len(head)]
 
@@ -77,6 +79,8 @@ def plan_table(result: dict) -> str:
         if accuracy:
             share = f" ({row['accuracy_retained']:.1f}%)" if measured and row.get("accuracy_retained") else ""
             values.append(f"{100 * row['accuracy']:.1f}{share}")
+            paired = measured and row.get("accuracy_difference_se") is not None
+            values.append(f"{row['accuracy_difference']:+.1f} ± {row['accuracy_difference_se']:.1f}" if paired else "-")
         return " | ".join(values)
 
     lines.append(f"| baseline | - | {cells(result['baseline'], False)} |")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -60,9 +61,19 @@ def next_tokens_rows(windows: np.ndarray, decode, continuation: int, seed: int =
     return rows
 
 
-def choice_accuracy(lm, rows: list[dict]) -> float:
-    """Accuracy (lm-eval's `acc`) of an lm-eval model on multiple-choice `rows` ({"context", "choices", "answer"}).
-    The task manager indexes this task alone, not lm-eval's own (which took 15-35 s a call here)."""
+@dataclass
+class ChoiceScores:
+    """lm-eval's accuracy on multiple-choice rows, and each item's outcome (1.0 right, 0.0 wrong) in row order, as
+    lm-eval logged it: two models on the same items can be compared item by item (`paired_difference`)."""
+
+    accuracy: float
+    correct: np.ndarray
+
+
+def choice_scores(lm, rows: list[dict]) -> ChoiceScores:
+    """Accuracy (lm-eval's `acc`) of an lm-eval model on multiple-choice `rows` ({"context", "choices", "answer"}),
+    with each item's outcome from lm-eval's logged samples. The task manager indexes this task alone, not
+    lm-eval's own (which took 15-35 s a call here)."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the task's data are local; never ask a hub
     from lm_eval import evaluator
     from lm_eval.tasks import TaskManager
@@ -71,7 +82,31 @@ def choice_accuracy(lm, rows: list[dict]) -> float:
         write_local_task(Path(folder), NEXT_TOKENS_TASK, rows, output_type="multiple_choice",
                          doc_to_text="{{context}}", doc_to_choice="{{choices}}", doc_to_target="{{answer}}",
                          metrics=["acc"])
-        results = evaluator.simple_evaluate(model=lm, tasks=[NEXT_TOKENS_TASK], bootstrap_iters=0,
+        results = evaluator.simple_evaluate(model=lm, tasks=[NEXT_TOKENS_TASK], bootstrap_iters=0, log_samples=True,
                                             task_manager=TaskManager(include_path=folder, include_defaults=False),
                                             verbosity="ERROR")
-    return float(results["results"][NEXT_TOKENS_TASK]["acc,none"])
+    correct = np.zeros(len(rows))
+    for sample in results["samples"][NEXT_TOKENS_TASK]:
+        correct[sample["doc_id"]] = sample["acc"]
+    return ChoiceScores(float(results["results"][NEXT_TOKENS_TASK]["acc,none"]), correct)
+
+
+def choice_accuracy(lm, rows: list[dict]) -> float:
+    """lm-eval's accuracy of an lm-eval model on multiple-choice `rows` (see `choice_scores`)."""
+    return choice_scores(lm, rows).accuracy
+
+
+def paired_difference(correct: np.ndarray, baseline: np.ndarray) -> tuple[float, float]:
+    """(mean difference, its standard error) of two models' outcomes on the same items: the accuracy one gains
+    over the other, and how much of that the choice of items could make (the sample standard deviation of the
+    item-by-item differences over the square root of the item count). Items both get right or both get wrong add
+    nothing to the difference, so it is tighter than two accuracies' own errors.
+
+    Raises:
+        ValueError: the outcomes are not of the same items (lengths differ), or there are fewer than two.
+    """
+    first, second = np.asarray(correct, dtype=np.float64), np.asarray(baseline, dtype=np.float64)
+    if first.shape != second.shape or first.ndim != 1 or len(first) < 2:
+        raise ValueError(f"paired outcomes need two vectors of the same items (got {first.shape} and {second.shape})")
+    differences = first - second
+    return float(differences.mean()), float(differences.std(ddof=1) / np.sqrt(len(differences)))
