@@ -91,11 +91,6 @@ def choice_scores(lm, rows: list[dict]) -> ChoiceScores:
     return ChoiceScores(float(results["results"][NEXT_TOKENS_TASK]["acc,none"]), correct)
 
 
-def choice_accuracy(lm, rows: list[dict]) -> float:
-    """lm-eval's accuracy of an lm-eval model on multiple-choice `rows` (see `choice_scores`)."""
-    return choice_scores(lm, rows).accuracy
-
-
 def paired_difference(correct: np.ndarray, baseline: np.ndarray) -> tuple[float, float]:
     """(mean difference, its standard error) of two models' outcomes on the same items: the accuracy one gains
     over the other, and how much of that the choice of items could make (the sample standard deviation of the
