@@ -72,6 +72,32 @@ def test_solo_fits_and_the_gated_fit_graph_equal_torch_with_maps_fitted_alone(ex
         assert suffix.perplexity(dict.fromkeys(moved, 0.0), LAYERS[0]) == pytest.approx(expected, rel=1e-4)
 
 
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_the_mixed_gated_graph_equals_torch_with_fits_drops_and_shifted_bypasses(exported, family, rng):
+    """The planner's refine stage: one graph in which each layer keeps its attention, takes its fitted map, or its
+    mean-shifted V·O bypass at any alpha (0: a drop), against PyTorch with the same modules replaced (maps fitted
+    there with lstsq, means from PyTorch hooks)."""
+    from layerdrop.passes.gated_search import FIT
+    from layerdrop.search.alpha_search import GatedSuffix
+    from layerdrop.search.measure import branch_means
+    from tests.torch_reference import perplexity as torch_perplexity
+    from tests.torch_reference import planned, with_maps
+
+    folder, model = api.open_model(exported(family, True))
+    windows, search = Windows(rng.randint(0, VOCAB, size=(4, 24)), {}), rng.randint(0, VOCAB, size=(2, 16))
+    solo = solo_fits(model, folder.path, windows, LAYERS, ridges=(RIDGE,))
+    means = branch_means(model, folder.path, windows, LAYERS)
+    suffix = GatedSuffix(model, folder.path, search, LAYERS, means, fits=solo.maps, mixed=True)
+    torch_model = tiny_model(family)
+    maps = {layer: fitted(torch_model, windows.ids, [layer], RIDGE)[1][layer] for layer in LAYERS}
+    for moves in ({1: FIT, 3: 0.3}, {1: 0.0, 3: FIT}, {1: 0.6}, {3: FIT}, {1: FIT, 3: FIT}, {1: 0.0, 3: 1.0}):
+        alphas = {k: v for k, v in moves.items() if v != FIT}
+        reference = with_maps(planned(torch_model, alphas, windows) if alphas else torch_model,
+                              {k: maps[k] for k, v in moves.items() if v == FIT})
+        expected = torch_perplexity(reference, search)
+        assert suffix.perplexity(moves, LAYERS[0]) == pytest.approx(expected, rel=1e-4), moves
+
+
 def test_each_layers_ridge_is_the_one_with_the_least_error_on_the_validation_windows(exported, rng):
     folder, model = api.open_model(exported("llama", True))
     calib, validation = rng.randint(0, VOCAB, size=(3, 24)), rng.randint(0, VOCAB, size=(2, 24))

@@ -153,6 +153,43 @@ def test_the_fit_search_measures_each_layers_map_like_torch_and_adds_layers_gree
     assert len(rows) == 1 and rows[0]["fits"] == sorted(greedy)
 
 
+def test_the_planner_chooses_fit_drop_or_bypass_for_each_layer_like_torch(exported, tmp_path):
+    """Default moves: after the fit search, each chosen layer's move is chosen again among its map, a drop and its
+    shifted bypass. The refine stage's last figure is PyTorch's perplexity with those moves (the maps fitted alone,
+    as the search tries them; the means from PyTorch hooks), and the written pick is PyTorch's model with the
+    shifted bypasses in place and the maps fitted bottom-up on it, with the ridges the planner chose: the row's
+    search figure is that model's perplexity. These windows give a row with a bypass and a fit."""
+    from tests.torch_reference import fitted, with_maps
+    from tests.torch_reference import perplexity as torch_perplexity
+
+    folder = exported("llama", True)
+    report = tmp_path / "plan.json"
+    code = main(["plan", *NO_TASK, str(folder), "-o", str(tmp_path / "model"), "--budget", "attn=2", "--samples",
+                 "16", "--search-samples", "2", "--eval-samples", "2", "--seq-len", "32", "--extra", "1",
+                 "--json", str(report), "--no-progress"])
+    assert code == 0
+    result = json.loads(report.read_text())
+    row = result["methods"][-1]
+    assert row["method"] == "planner: the fit, drop or bypass it chose for each layer"
+    assert row["alphas"] and row["fits"] and row["shift"]  # a mixed pick: the case under test
+    assert set(row["moves"]) == {"fit", "shift", "bypass" if any(row["alphas"].values()) else "drop"}
+    alphas = {int(k): v for k, v in row["alphas"].items()}
+    calib = api.windows_for(folder, None, role="calib", samples=16, seq_len=32)
+    search = api.windows_for(folder, None, role="search", samples=2, seq_len=32,
+                             calibration_sha256=calib.source["sha256"]).ids
+    log = result["planner_log"]
+    refine = [entry for entry in log if entry["stage"] == "refine"]
+    assert [entry["layer"] for entry in refine] == sorted({*alphas, *row["fits"]}, reverse=True)
+    solo_ridges = {entry["layer"]: entry["ridge"] for entry in log if entry["stage"] == "solo"}
+    solo_maps = {k: fitted(tiny_model("llama"), calib.ids, [k], solo_ridges[k])[1][k] for k in row["fits"]}
+    searched = with_maps(planned_reference(tiny_model("llama"), alphas, calib), solo_maps)
+    assert refine[-1]["perplexity"] == pytest.approx(torch_perplexity(searched, search), rel=1e-4)
+    model = planned_reference(tiny_model("llama"), alphas, calib)
+    for layer in row["fits"]:
+        model, _ = fitted(model, calib.ids, [layer], row["ridges"][str(layer)])
+    assert row["search_ppl"] == pytest.approx(torch_perplexity(model, search), rel=1e-4)  # the row's own graph
+
+
 def test_a_search_text_makes_every_choice_and_the_estimates_stay_on_the_calibration_text(exported, tmp_path):
     """--search-text: the maps are fitted on the calibration text's windows, while the ridge of each is the one
     with the least squared error on windows of the search text (numpy on PyTorch hooks), and the search column is

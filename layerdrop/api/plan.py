@@ -138,27 +138,29 @@ def plan(
     Moves (`moves`): drop, V·O bypass with a searched alpha (HARP's map), the mean shift on those, and a fitted
     linear map (`search.fit`) per attention layer; whole blocks: ShortGPT's drop by block score and ReplaceMe's
     fitted run (`search.blocks`). With the fit move allowed, the planner searches fits (`search.planner.plan_fits`:
-    each pool layer's map fitted alone, layers added greedily by search perplexity, then fitted bottom-up); without
-    it, drops and bypasses (`plan_attention`), with and without the mean shift; drop and bypass rows are measured
-    either way (the papers' methods). An attention or KV budget takes the attention moves, a `blocks=N` budget the
-    block moves, a `speedup=X@T` budget any of them (all by default): the rows are sized by measured prefill at T
-    tokens (`search.selection.count_for_speedup`): the attention rows take the fewest lowest-scored layers which,
-    replaced by a map (or dropped, with neither fit nor bypass allowed), reach X, the block rows the fewest
-    lowest-scored blocks, and with both kinds allowed, ReplaceMe's run of a third and of two thirds of those blocks
-    comes with as many fitted (or dropped) attention layers outside the run as the rest of the budget takes. The
-    search windows come from the search part of `calib` (disjoint from its calibration windows, on which means and
-    fits are estimated), or from `search_text` (all of it, unless it is `calib`): every choice (alphas, layers,
-    ridges, the pick) is made on them, so a search text of several kinds guards the choices against the calibration
-    text's kind; the pick is the row with the lowest search perplexity among those the allowed moves make, and every
-    row is also measured on `eval_text`, which no estimate or choice ever sees (its evaluation part, if it is
-    `calib` itself), and on each `also_eval` text (other kinds, say). With `accuracy_items` > 0 (and lm-eval
-    installed), every row also gets its accuracy on a multiple-choice task of that many items built from the
-    held-out text (`runtime.tasks`: a window's next tokens against three other windows' ones), run through lm-eval
-    and the `layerdrop` lm-eval model, that accuracy as a percentage of the baseline's, and its difference from
-    the baseline's in points with the standard error of that difference over the same items (item by item,
-    `runtime.tasks.paired_difference`: how far the choice of items alone could move it). With `speedup_runs` > 0,
-    every row's prefill at `speedup_tokens` (default: a speedup budget's T, 1024 if it names none, else `seq_len`)
-    is timed against the baseline's, runs alternating, and the ratio of the medians is its measured speedup.
+    each pool layer's map fitted alone, layers added greedily by search perplexity; with drop or bypass allowed too,
+    each chosen layer's move then chosen again among its fit, drop and bypass alphas; the maps fitted bottom-up on
+    the model with those drops and bypasses in place); without it, drops and bypasses (`plan_attention`), with and
+    without the mean shift; drop and bypass rows are measured either way (the papers' methods). An attention or KV
+    budget takes the attention moves, a `blocks=N` budget the block moves, a `speedup=X@T` budget any of them (all
+    by default): the rows are sized by measured prefill at T tokens (`search.selection.count_for_speedup`): the
+    attention rows take the fewest lowest-scored layers which, replaced by a map (or dropped, with neither fit nor
+    bypass allowed), reach X, the block rows the fewest lowest-scored blocks, and with both kinds allowed,
+    ReplaceMe's run of a third and of two thirds of those blocks comes with as many fitted (or dropped) attention
+    layers outside the run as the rest of the budget takes. The search windows come from the search part of `calib`
+    (disjoint from its calibration windows, on which means and fits are estimated), or from `search_text` (all of
+    it, unless it is `calib`): every choice (alphas, layers, ridges, the pick) is made on them, so a search text of
+    several kinds guards the choices against the calibration text's kind; the pick is the row with the lowest search
+    perplexity among those the allowed moves make, and every row is also measured on `eval_text`, which no estimate
+    or choice ever sees (its evaluation part, if it is `calib` itself), and on each `also_eval` text (other kinds,
+    say). With `accuracy_items` > 0 (and lm-eval installed), every row also gets its accuracy on a multiple-choice
+    task of that many items built from the held-out text (`runtime.tasks`: a window's next tokens against three
+    other windows' ones), run through lm-eval and the `layerdrop` lm-eval model, that accuracy as a percentage of
+    the baseline's, and its difference from the baseline's in points with the standard error of that difference over
+    the same items (item by item, `runtime.tasks.paired_difference`: how far the choice of items alone could move
+    it). With `speedup_runs` > 0, every row's prefill at `speedup_tokens` (default: a speedup budget's T, 1024 if it
+    names none, else `seq_len`) is timed against the baseline's, runs alternating, and the ratio of the medians is
+    its measured speedup.
 
     Returns:
         {"budget", "attention_layers" (of the attention rows; blocks, without them), "block_count" (of the block
@@ -232,10 +234,11 @@ def plan(
                                      progress, search_args)
     if fits_searched:
         phase(f"the planner's search over fits of the {len(candidate_pool(scores, count, extra))} lowest-scored "
-              "layers, then the chosen and the lowest-scored layers fitted bottom-up")
+              "layers" + (", then each chosen layer's fit, drop or bypass" if grid else "")
+              + ", then the chosen and the lowest-scored layers fitted bottom-up")
         try:
             planned, rows = _fit_rows(model, folder.path, scores, count, extra, fit_windows, search, progress,
-                                      search_args)
+                                      search_args, grid, calib_windows if "shift" in allowed else None)
             candidates += rows
         except TooFewTokens as exc:
             if moves is not None:  # asked for by name: the user must hear why it cannot be done
@@ -410,29 +413,50 @@ def _paper_methods(model: ir.Model, folder: Path, scores: dict[int, float], atte
 
 
 def _fit_rows(model: ir.Model, folder: Path, scores: dict[int, float], count: int, extra: int, fit_windows: Windows,
-              search: Windows, progress: bool, search_args: dict) -> tuple:
+              search: Windows, progress: bool, search_args: dict, grid: tuple[float, ...] = (),
+              means_windows: Windows | None = None) -> tuple:
     """The planner's search over fits (each pool layer's map fitted alone on the unmodified model, layers added
-    greedily by search perplexity), and the rows of the layers it chose and of the lowest-scored layers, each set
-    fitted bottom-up. Returns (the search's Plan, the rows).
+    greedily by search perplexity; with a `grid` of alphas, each chosen layer's move then chosen again among its
+    map, drop and bypass, mean-shifted with `means_windows`), and the rows of the layers it chose and of the
+    lowest-scored layers, the maps of each set fitted bottom-up (on the model with the plan's drops and bypasses in
+    place). Returns (the search's Plan, the rows).
 
     Raises:
         TooFewTokens: the calibration windows cannot support a fit.
     """
-    solo = solo_fits(model, folder, fit_windows, candidate_pool(scores, count, extra), validation=search,
-                     **search_args)
+    pool = candidate_pool(scores, count, extra)
+    solo = solo_fits(model, folder, fit_windows, pool, validation=search, **search_args)
+    means = None
+    if grid and means_windows is not None:
+        means = branch_means(model, folder, means_windows, pool, provider=search_args["provider"],
+                             threads=search_args["threads"])
     planned = plan_fits(model, folder, search.ids, scores, count, solo=solo, extra=extra, progress=progress,
-                        **search_args)
+                        grid=grid, means=means, **search_args)
     lowest = lowest_layers(scores, count)
-    layer_sets = {"attention fit on the lowest-scored layers": lowest}
-    if planned.fits == lowest:
-        layer_sets = {"planner: fitted maps on the layers it chose (the lowest-scored)": lowest}
+    rows = [_fitted_row("attention fit on the lowest-scored layers", model, folder, lowest, fit_windows, search,
+                        progress, search_args)]
+    if planned.fits == lowest and not planned.alphas:
+        rows[0].name = "planner: fitted maps on the layers it chose (the lowest-scored)"
+    elif not planned.alphas:
+        rows.append(_fitted_row("planner: fitted maps on the layers it chose", model, folder, planned.fits,
+                                fit_windows, search, progress, search_args))
     else:
-        layer_sets["planner: fitted maps on the layers it chose"] = planned.fits
-    rows = []
-    for name, layers in layer_sets.items():
-        fit = fit_attention(model, folder, fit_windows, layers, validation=search, progress=progress, **search_args)
-        rows.append(Candidate(name, fits=fit.maps, ridges=fit.ridges, moves=frozenset({"fit"})))
+        shifted = {k: means[k] for k in planned.alphas} if means is not None else None
+        bypassed = model_folder.copy_model(model)
+        run_passes(bypassed, rewrite_passes([], planned.alphas, "plan", means=shifted))
+        row = _fitted_row("planner: the fit, drop or bypass it chose for each layer", bypassed, folder,
+                          planned.fits, fit_windows, search, progress, search_args)
+        row.alphas, row.means = planned.alphas, shifted
+        row.moves = row.moves | _moves_of(planned.alphas) | ({"shift"} if shifted else set())
+        rows.append(row)
     return planned, rows
+
+
+def _fitted_row(name: str, model: ir.Model, folder: Path, layers: list[int], fit_windows: Windows, search: Windows,
+                progress: bool, search_args: dict) -> Candidate:
+    """A row with `layers` replaced by maps fitted bottom-up on `model` (none: no fit move)."""
+    fit = fit_attention(model, folder, fit_windows, layers, validation=search, progress=progress, **search_args)
+    return Candidate(name, fits=fit.maps or None, ridges=fit.ridges, moves=frozenset({"fit"} if layers else ()))
 
 
 def _moves_of(alphas: dict[int, float]) -> frozenset:

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from layerdrop.errors import LayerdropError
 from layerdrop.model_folder import copy_model
 from layerdrop.passes.cleanup import run_passes
-from layerdrop.passes.gated_search import GatedBypassPass, GatedFitPass, move_feeds
+from layerdrop.passes.gated_search import GatedBypassPass, GatedFitPass, GatedMixedPass, move_feeds
 from layerdrop.passes.graph_cuts import HIDDEN_INPUT, suffix_to_logits
 from layerdrop.runtime.evaluate import perplexity
 from layerdrop.runtime.feeds import numpy_type
@@ -34,13 +34,16 @@ class GatedSuffix:
     gated suffix session for the current start layer (rebuilt only when the start changes).
 
     With `fits` (layer -> (W, b) for every pool layer), a moved layer is replaced by its map instead of bypassed
-    (`GatedFitPass`; the alphas of the moves are then not read)."""
+    (`GatedFitPass`; the alphas of the moves are then not read); with `fits` and `mixed`, a move is an alpha or
+    `FIT`, so both kinds mix (`GatedMixedPass`, with `means`)."""
 
     def __init__(self, model: ir.Model, folder: Path, windows: np.ndarray, layers: list[int],
                  means: dict[int, tuple[np.ndarray, np.ndarray]] | None = None, *, batch_size: int = 1,
-                 fits: dict[int, tuple[np.ndarray, np.ndarray]] | None = None, **session_args) -> None:
+                 fits: dict[int, tuple[np.ndarray, np.ndarray]] | None = None, mixed: bool = False,
+                 **session_args) -> None:
         self.model, self.folder, self.windows, self.layers = model, folder, windows, sorted(layers)
         self.means, self.fits, self.batch_size, self.session_args = means, fits, batch_size, session_args
+        self.mixed = mixed and fits is not None
         self.entries = attention_entries(model)
         unknown = sorted(set(self.layers) - set(self.entries))
         if unknown:
@@ -54,15 +57,21 @@ class GatedSuffix:
             self.session = None  # free the old graph's weights before building the next
             gated = copy_model(self.model)
             moved = [k for k in self.layers if k >= start]
-            run_passes(gated, [GatedFitPass({k: self.fits[k] for k in moved}) if self.fits is not None
-                               else GatedBypassPass(moved, self.means)])
+            if self.mixed:
+                rewrite = GatedMixedPass({k: self.fits[k] for k in moved}, self.means)
+            elif self.fits is not None:
+                rewrite = GatedFitPass({k: self.fits[k] for k in moved})
+            else:
+                rewrite = GatedBypassPass(moved, self.means)
+            run_passes(gated, [rewrite])
             graph = suffix_to_logits(gated, self.entries[start])
             self.start, self.session = start, make_session(graph, folder=self.folder, **self.session_args)
         return self.session
 
-    def perplexity(self, moves: dict[int, float], start: int | None = None) -> float:
-        """Perplexity with `moves` (layer -> alpha) applied and every other pool layer kept, run from the pool
-        layer `start` (default: the lowest moved layer; a fixed start saves building a graph per start)."""
+    def perplexity(self, moves: dict[int, float | str], start: int | None = None) -> float:
+        """Perplexity with `moves` (layer -> alpha, or `FIT` in a mixed search) applied and every other pool layer
+        kept, run from the pool layer `start` (default: the lowest moved layer; a fixed start saves building a graph
+        per start)."""
         unknown = sorted(set(moves) - set(self.layers))
         if unknown:
             raise LayerdropError(f"layers {unknown} are not in the search pool {self.layers}")

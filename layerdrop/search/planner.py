@@ -11,7 +11,9 @@ Search over bypasses and drops (`plan_attention`), starting from the cosine rank
   3. greedy: add, one at a time, the pool layer (with its solo alpha) whose addition gives the lowest perplexity;
   4. refine: re-search the chosen layers' alphas greedily top-down, as HARP does.
 Search over fits (`plan_fits`): the same pool, each layer with its map fitted alone (`search.fit.solo_fits`);
-solo, then greedy as above.
+solo, then greedy as above; then, with bypass or drop moves allowed too, each chosen layer's move is chosen again,
+top-down with the others' kept, among its map and every alpha of its (mean-shifted) bypass, and changed only if
+that lowers the search perplexity: so each layer ends up with the fit, a drop or a bypass.
 
 The greedy stage is lazy: the increase in perplexity a layer's move caused when last measured (alone, or with
 fewer layers moved) is a lower bound on the increase it causes with the current set if increases compound (a
@@ -33,6 +35,7 @@ import numpy as np
 import onnx_ir as ir
 from tqdm import tqdm
 
+from layerdrop.passes.gated_search import FIT
 from layerdrop.search.alpha_search import ALPHA_GRID, GatedSuffix, best_alpha, greedy_alpha_search
 from layerdrop.search.fit import Fit
 from layerdrop.search.selection import lowest_layers
@@ -124,12 +127,15 @@ def plan_attention(
 
 
 def plan_fits(model: ir.Model, folder: Path, windows: np.ndarray, scores: dict[int, float], budget: int, *,
-              solo: Fit, extra: int = 4, progress: bool = True, **session_args) -> Plan:
+              solo: Fit, extra: int = 4, progress: bool = True, grid: tuple[float, ...] = (),
+              means: dict[int, tuple[np.ndarray, np.ndarray]] | None = None, **session_args) -> Plan:
     """Choose `budget` attention layers to replace by fitted maps (see module docstring): each pool layer's map
-    (`solo`: fitted alone, for every pool layer, see `search.fit.solo_fits`) measured alone, then added greedily.
+    (`solo`: fitted alone, for every pool layer, see `search.fit.solo_fits`) measured alone, then added greedily;
+    with a `grid` of alphas (the bypass and drop moves allowed; `means` of the pool layers for the shift), each
+    chosen layer's move chosen again among its map and those alphas, top-down.
 
     Returns:
-        A Plan with the chosen layers in `fits` (no alphas) and the perplexity of all of them replaced by those maps.
+        A Plan with the layers that keep their map in `fits`, the others' alphas, and the perplexity of them all.
     """
     pool = candidate_pool(scores, budget, extra)
     evaluate = _Evaluator(model, folder, windows, pool, progress, None, (), {**session_args, "fits": solo.maps})
@@ -141,7 +147,25 @@ def plan_fits(model: ir.Model, folder: Path, windows: np.ndarray, scores: dict[i
                     "perplexity": alone[layer]})
     chosen, current = _lazy_greedy(evaluate, dict.fromkeys(pool, 0.0), alone, budget, log)
     evaluate.bar.close()
-    return Plan({}, current, log, fits=sorted(chosen))
+    moves: dict[int, float | str] = dict.fromkeys(chosen, FIT)
+    if grid:
+        layers = sorted(chosen)
+        mixed = _Evaluator(model, folder, windows, layers, progress, means, grid,
+                           {**session_args, "fits": {k: solo.maps[k] for k in layers}, "mixed": True})
+        for layer in reversed(layers):
+            sweep = mixed.alpha_sweep({k: v for k, v in moves.items() if k != layer}, layer)
+            best = best_alpha(sweep)
+            if sweep[best] < current:
+                moves[layer], current = best, sweep[best]
+            log.append({"stage": "refine", "layer": layer, "move": _move_word(moves[layer]),
+                        "alpha": None if moves[layer] == FIT else moves[layer], "perplexity": current})
+        mixed.bar.close()
+    return Plan({k: v for k, v in moves.items() if v != FIT}, current, log,
+                fits=sorted(k for k, v in moves.items() if v == FIT))
+
+
+def _move_word(move: float | str) -> str:
+    return "fit" if move == FIT else "drop" if move == 0 else "bypass"
 
 
 def _lazy_greedy(evaluate: _Evaluator, moves: dict[int, float], alone: dict[int, float], budget: int,
