@@ -76,7 +76,7 @@ def test_solo_fits_and_the_gated_fit_graph_equal_torch_with_maps_fitted_alone(ex
 def test_the_mixed_gated_graph_equals_torch_with_fits_drops_and_shifted_bypasses(exported, family, rng):
     """The planner's refine stage: one graph in which each layer keeps its attention, takes its fitted map, or its
     mean-shifted V·O bypass at any alpha (0: a drop), against PyTorch with the same modules replaced (maps fitted
-    there with lstsq, means from PyTorch hooks)."""
+    there with lstsq, means from PyTorch hooks); also run from the state a lower layer's move leaves."""
     from layerdrop.passes.gated_search import FIT
     from layerdrop.search.alpha_search import GatedSuffix
     from layerdrop.search.measure import branch_means
@@ -96,6 +96,10 @@ def test_the_mixed_gated_graph_equals_torch_with_fits_drops_and_shifted_bypasses
                               {k: maps[k] for k, v in moves.items() if v == FIT})
         expected = torch_perplexity(reference, search)
         assert suffix.perplexity(moves, LAYERS[0]) == pytest.approx(expected, rel=1e-4), moves
+        if len(moves) == 2:  # the upper layer's move run from the state the lower one's leaves
+            (low, low_move), (high, high_move) = sorted(moves.items())
+            split = suffix.perplexity({high: high_move}, high, below={low: low_move})
+            assert split == pytest.approx(expected, rel=1e-4), moves
 
 
 def test_each_layers_ridge_is_the_one_with_the_least_error_on_the_validation_windows(exported, rng):

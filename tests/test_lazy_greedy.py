@@ -58,3 +58,26 @@ def test_lazy_greedy_takes_what_measuring_every_candidate_takes_with_fewer_measu
     assert perplexity == table[frozenset(expected)]
     plain_measurements = sum(len(layers) - step for step in range(1, budget))  # after the solo stage
     assert evaluate.calls - 1 < plain_measurements  # the one more: nothing moved
+
+
+@pytest.mark.parametrize("best", [0.0, 0.3, 0.7, 1.0])
+def test_the_refine_sweep_finds_a_unimodal_minimum_and_stops_two_alphas_past_it(best):
+    """The refine stage's sweep over one layer's alphas: on a perplexity with one minimum in alpha it returns that
+    minimum, having measured only up to two alphas past it; the layers below run from the state they leave."""
+    from layerdrop.search.alpha_search import ALPHA_GRID
+    from layerdrop.search.planner import _Evaluator
+
+    calls = []
+
+    class Suffix:
+        def perplexity(self, moves, start, below):
+            calls.append((dict(moves), start, dict(below)))
+            return 10.0 + (moves[5] - best) ** 2
+
+    evaluate = _Evaluator.__new__(_Evaluator)
+    evaluate.suffix, evaluate.grid, evaluate.best = Suffix(), ALPHA_GRID, float("inf")
+    evaluate.bar = type("Bar", (), {"update": lambda self: None, "set_postfix": lambda self, **_: None})()
+    sweep = evaluate.unimodal_sweep({3: "fit", 7: 0.2}, 5)
+    assert min(sweep, key=sweep.get) == best
+    assert list(sweep) == [a for a in ALPHA_GRID if a <= round(best + 0.2, 1)]
+    assert all(start == 5 and below == {3: "fit"} and moves[7] == 0.2 for moves, start, below in calls)

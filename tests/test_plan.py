@@ -154,8 +154,8 @@ def test_the_fit_search_measures_each_layers_map_like_torch_and_adds_layers_gree
 
 
 def test_the_planner_chooses_fit_drop_or_bypass_for_each_layer_like_torch(exported, tmp_path):
-    """Default moves: after the fit search, each chosen layer's move is chosen again among its map, a drop and its
-    shifted bypass. The refine stage's last figure is PyTorch's perplexity with those moves (the maps fitted alone,
+    """--per-layer-moves: after the fit search, each chosen layer's move is chosen again among its map, a drop and
+    its shifted bypass. The refine stage's last figure is PyTorch's perplexity with those moves (the maps fitted alone,
     as the search tries them; the means from PyTorch hooks), and the written pick is PyTorch's model with the
     shifted bypasses in place and the maps fitted bottom-up on it, with the ridges the planner chose: the row's
     search figure is that model's perplexity. These windows give a row with a bypass and a fit."""
@@ -166,7 +166,7 @@ def test_the_planner_chooses_fit_drop_or_bypass_for_each_layer_like_torch(export
     report = tmp_path / "plan.json"
     code = main(["plan", *NO_TASK, str(folder), "-o", str(tmp_path / "model"), "--budget", "attn=2", "--samples",
                  "16", "--search-samples", "2", "--eval-samples", "2", "--seq-len", "32", "--extra", "1",
-                 "--json", str(report), "--no-progress"])
+                 "--per-layer-moves", "--json", str(report), "--no-progress"])
     assert code == 0
     result = json.loads(report.read_text())
     row = result["methods"][-1]
@@ -232,6 +232,14 @@ def test_a_search_text_that_is_held_out_is_refused(exported, tmp_path, capsys, h
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and not (tmp_path / "p").exists()
     assert f"--search-text {search}.txt is also a held-out text" in err[0]
+
+
+@pytest.mark.parametrize("moves", ["fit", "drop,bypass,shift"])
+def test_per_layer_moves_without_both_kinds_of_move_are_refused(exported, tmp_path, capsys, moves):
+    code = main(["plan", *NO_TASK, str(exported("llama", True)), "-o", str(tmp_path / "p"), "--budget", "attn=1",
+                 "--moves", moves, "--per-layer-moves"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "allow fit and drop or bypass" in err[0] and not (tmp_path / "p").exists()
 
 
 def test_unknown_move_words_are_refused(exported, tmp_path, capsys):

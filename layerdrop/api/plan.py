@@ -122,6 +122,7 @@ def plan(
     extra: int = 4,
     moves: str | None = None,
     shift: bool = True,
+    per_layer_moves: bool = False,
     provider: str = "cpu",
     threads: int | None = None,
     force: bool = False,
@@ -138,29 +139,29 @@ def plan(
     Moves (`moves`): drop, V·O bypass with a searched alpha (HARP's map), the mean shift on those, and a fitted
     linear map (`search.fit`) per attention layer; whole blocks: ShortGPT's drop by block score and ReplaceMe's
     fitted run (`search.blocks`). With the fit move allowed, the planner searches fits (`search.planner.plan_fits`:
-    each pool layer's map fitted alone, layers added greedily by search perplexity; with drop or bypass allowed too,
-    each chosen layer's move then chosen again among its fit, drop and bypass alphas; the maps fitted bottom-up on
-    the model with those drops and bypasses in place); without it, drops and bypasses (`plan_attention`), with and
-    without the mean shift; drop and bypass rows are measured either way (the papers' methods). An attention or KV
-    budget takes the attention moves, a `blocks=N` budget the block moves, a `speedup=X@T` budget any of them (all
-    by default): the rows are sized by measured prefill at T tokens (`search.selection.count_for_speedup`): the
-    attention rows take the fewest lowest-scored layers which, replaced by a map (or dropped, with neither fit nor
-    bypass allowed), reach X, the block rows the fewest lowest-scored blocks, and with both kinds allowed,
-    ReplaceMe's run of a third and of two thirds of those blocks comes with as many fitted (or dropped) attention
-    layers outside the run as the rest of the budget takes. The search windows come from the search part of `calib`
-    (disjoint from its calibration windows, on which means and fits are estimated), or from `search_text` (all of
-    it, unless it is `calib`): every choice (alphas, layers, ridges, the pick) is made on them, so a search text of
-    several kinds guards the choices against the calibration text's kind; the pick is the row with the lowest search
-    perplexity among those the allowed moves make, and every row is also measured on `eval_text`, which no estimate
-    or choice ever sees (its evaluation part, if it is `calib` itself), and on each `also_eval` text (other kinds,
-    say). With `accuracy_items` > 0 (and lm-eval installed), every row also gets its accuracy on a multiple-choice
-    task of that many items built from the held-out text (`runtime.tasks`: a window's next tokens against three
-    other windows' ones), run through lm-eval and the `layerdrop` lm-eval model, that accuracy as a percentage of
-    the baseline's, and its difference from the baseline's in points with the standard error of that difference over
-    the same items (item by item, `runtime.tasks.paired_difference`: how far the choice of items alone could move
-    it). With `speedup_runs` > 0, every row's prefill at `speedup_tokens` (default: a speedup budget's T, 1024 if it
-    names none, else `seq_len`) is timed against the baseline's, runs alternating, and the ratio of the medians is
-    its measured speedup.
+    each pool layer's map fitted alone, layers added greedily by search perplexity; with `per_layer_moves` (and drop
+    or bypass allowed too), each chosen layer's move then chosen again among its fit, drop and bypass alphas; the
+    maps fitted bottom-up on the model with those drops and bypasses in place); without it, drops and bypasses
+    (`plan_attention`), with and without the mean shift; drop and bypass rows are measured either way (the papers'
+    methods). An attention or KV budget takes the attention moves, a `blocks=N` budget the block moves, a
+    `speedup=X@T` budget any of them (all by default): the rows are sized by measured prefill at T tokens
+    (`search.selection.count_for_speedup`): the attention rows take the fewest lowest-scored layers which, replaced
+    by a map (or dropped, with neither fit nor bypass allowed), reach X, the block rows the fewest lowest-scored
+    blocks, and with both kinds allowed, ReplaceMe's run of a third and of two thirds of those blocks comes with as
+    many fitted (or dropped) attention layers outside the run as the rest of the budget takes. The search windows
+    come from the search part of `calib` (disjoint from its calibration windows, on which means and fits are
+    estimated), or from `search_text` (all of it, unless it is `calib`): every choice (alphas, layers, ridges, the
+    pick) is made on them, so a search text of several kinds guards the choices against the calibration text's kind;
+    the pick is the row with the lowest search perplexity among those the allowed moves make, and every row is also
+    measured on `eval_text`, which no estimate or choice ever sees (its evaluation part, if it is `calib` itself),
+    and on each `also_eval` text (other kinds, say). With `accuracy_items` > 0 (and lm-eval installed), every row
+    also gets its accuracy on a multiple-choice task of that many items built from the held-out text
+    (`runtime.tasks`: a window's next tokens against three other windows' ones), run through lm-eval and the
+    `layerdrop` lm-eval model, that accuracy as a percentage of the baseline's, and its difference from the
+    baseline's in points with the standard error of that difference over the same items (item by item,
+    `runtime.tasks.paired_difference`: how far the choice of items alone could move it). With `speedup_runs` > 0,
+    every row's prefill at `speedup_tokens` (default: a speedup budget's T, 1024 if it names none, else `seq_len`)
+    is timed against the baseline's, runs alternating, and the ratio of the medians is its measured speedup.
 
     Returns:
         {"budget", "attention_layers" (of the attention rows; blocks, without them), "block_count" (of the block
@@ -183,6 +184,9 @@ def plan(
         raise LayerdropError("this graph has no attention regions; nothing to plan")
     kind, value, seq = parse_budget(budget, len(attention))
     allowed = parse_moves(moves, kind) - (frozenset() if shift else {"shift"})
+    if per_layer_moves and not ("fit" in allowed and allowed & {"drop", "bypass"}):
+        raise LayerdropError("--per-layer-moves chooses among fit, drop and bypass for each layer: allow fit and drop "
+                             "or bypass in --moves (the default for attn and kv budgets)")
     started = time.perf_counter()
     calib_windows, search, held_out = _plan_windows(folder.path, calib, eval_text, search_text, samples,
                                                     search_samples, eval_samples, seq_len, sampling)
@@ -234,11 +238,12 @@ def plan(
                                      progress, search_args)
     if fits_searched:
         phase(f"the planner's search over fits of the {len(candidate_pool(scores, count, extra))} lowest-scored "
-              "layers" + (", then each chosen layer's fit, drop or bypass" if grid else "")
+              "layers" + (", then each chosen layer's fit, drop or bypass" if per_layer_moves else "")
               + ", then the chosen and the lowest-scored layers fitted bottom-up")
         try:
             planned, rows = _fit_rows(model, folder.path, scores, count, extra, fit_windows, search, progress,
-                                      search_args, grid, calib_windows if "shift" in allowed else None)
+                                      search_args, grid if per_layer_moves else (),
+                                      calib_windows if "shift" in allowed else None)
             candidates += rows
         except TooFewTokens as exc:
             if moves is not None:  # asked for by name: the user must hear why it cannot be done

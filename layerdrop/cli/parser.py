@@ -234,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "budgets; with fit the planner searches fitted maps, without it drops and bypasses; --moves "
                    "drop,bypass searches the papers' moves only), blocks (the default for blocks=N); a speedup "
                    "budget takes any of them (default all)")
+    p.add_argument("--per-layer-moves", action="store_true",
+                   help="after the fit search, choose each chosen layer's move again among its fit, a drop and its "
+                   "bypass alphas (needs fit and drop or bypass allowed; costs a few minutes on SmolLM2)")
     p.add_argument("--speedup-tokens", type=parse_count, help="prefill length of the measured speedup column "
                    "(default: a speedup budget's, else --seq-len)")
     p.add_argument("--speedup-runs", type=parse_runs, default=5, help="timed prefill runs per row for that column, "

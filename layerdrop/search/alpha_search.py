@@ -20,9 +20,9 @@ from layerdrop.errors import LayerdropError
 from layerdrop.model_folder import copy_model
 from layerdrop.passes.cleanup import run_passes
 from layerdrop.passes.gated_search import GatedBypassPass, GatedFitPass, GatedMixedPass, move_feeds
-from layerdrop.passes.graph_cuts import HIDDEN_INPUT, suffix_to_logits
+from layerdrop.passes.graph_cuts import HIDDEN_INPUT, segment, suffix_to_logits
 from layerdrop.runtime.evaluate import perplexity
-from layerdrop.runtime.feeds import numpy_type
+from layerdrop.runtime.feeds import numpy_type, prefill_feed
 from layerdrop.runtime.session import make_session
 from layerdrop.search.measure import attention_entries, hidden_states_at
 
@@ -51,36 +51,70 @@ class GatedSuffix:
         self.hidden = hidden_states_at(model, folder, windows, self.layers, **session_args)
         self.start: int | None = None
         self.session = None
+        self._entered: tuple | None = None  # (layer and moves below it, the state they leave there)
+
+    def _gated(self, start: int) -> ir.Model:
+        """A copy of the model whose pool layers from `start` up are gated."""
+        gated = copy_model(self.model)
+        moved = [k for k in self.layers if k >= start]
+        if self.mixed:
+            rewrite = GatedMixedPass({k: self.fits[k] for k in moved}, self.means)
+        elif self.fits is not None:
+            rewrite = GatedFitPass({k: self.fits[k] for k in moved})
+        else:
+            rewrite = GatedBypassPass(moved, self.means)
+        run_passes(gated, [rewrite])
+        return gated
 
     def _session(self, start: int):
         if start != self.start:
             self.session = None  # free the old graph's weights before building the next
-            gated = copy_model(self.model)
-            moved = [k for k in self.layers if k >= start]
-            if self.mixed:
-                rewrite = GatedMixedPass({k: self.fits[k] for k in moved}, self.means)
-            elif self.fits is not None:
-                rewrite = GatedFitPass({k: self.fits[k] for k in moved})
-            else:
-                rewrite = GatedBypassPass(moved, self.means)
-            run_passes(gated, [rewrite])
-            graph = suffix_to_logits(gated, self.entries[start])
+            graph = suffix_to_logits(self._gated(start), self.entries[start])
             self.start, self.session = start, make_session(graph, folder=self.folder, **self.session_args)
         return self.session
 
-    def perplexity(self, moves: dict[int, float | str], start: int | None = None) -> float:
+    def entering(self, below: dict[int, float | str], layer: int) -> np.ndarray:
+        """The hidden state entering pool layer `layer` with the moves `below` (of pool layers under it) applied:
+        the windows run once through a gated graph from the lowest of them to `layer` (the last result is kept)."""
+        key = (layer, tuple(sorted(below.items())))
+        if not below:
+            return self.hidden[layer]
+        if self._entered is None or self._entered[0] != key:
+            self._entered = None
+            low = min(below)
+            graph = segment(self._gated(low), self.entries[low], [self.entries[layer]])
+            session = make_session(graph, folder=self.folder, **self.session_args)
+            feeds = self._move_feeds(session, [k for k in self.layers if low <= k < layer], below)
+            parts = []
+            for start in range(0, len(self.windows), self.batch_size):
+                rows = slice(start, start + self.batch_size)
+                extra = {**feeds, HIDDEN_INPUT: self.hidden[low][rows]}
+                parts += session.run([self.entries[layer]], prefill_feed(session, self.windows[rows], extra=extra))
+            self._entered = (key, np.concatenate(parts))
+        return self._entered[1]
+
+    @staticmethod
+    def _move_feeds(session, layers: list[int], moves: dict) -> dict[str, np.ndarray]:
+        """The move inputs of `session` for `moves` over the gated `layers` (those the graph reads)."""
+        inputs = {i.name: i.type for i in session.get_inputs()}
+        dtype = numpy_type(next((t for n, t in inputs.items() if n.startswith("layerdrop_alpha_")), "tensor(float)"))
+        return {k: v for k, v in move_feeds(layers, moves, dtype).items() if k in inputs}
+
+    def perplexity(self, moves: dict[int, float | str], start: int | None = None,
+                   below: dict[int, float | str] | None = None) -> float:
         """Perplexity with `moves` (layer -> alpha, or `FIT` in a mixed search) applied and every other pool layer
         kept, run from the pool layer `start` (default: the lowest moved layer; a fixed start saves building a graph
-        per start)."""
+        per start). With `below` (moves of pool layers under `start`, kept while `moves` vary above), from the state
+        they leave at `start` (`entering`), so those layers run once for every move set above them."""
+        below = below or {}
         unknown = sorted(set(moves) - set(self.layers))
         if unknown:
             raise LayerdropError(f"layers {unknown} are not in the search pool {self.layers}")
         start = min(moves) if start is None else min([start, *moves])
-        session, states = self._session(start), self.hidden[start]
-        inputs = {i.name: i.type for i in session.get_inputs()}
-        gated = [k for k in self.layers if k >= start]
-        dtype = numpy_type(inputs.get(f"layerdrop_alpha_{gated[0]}", "tensor(float)"))
-        extra = {k: v for k, v in move_feeds(gated, moves, dtype).items() if k in inputs}
+        if any(k >= start for k in below):
+            raise LayerdropError(f"moves {sorted(below)} are not all below the start layer {start}")
+        session, states = self._session(start), self.entering(below, start)
+        extra = self._move_feeds(session, [k for k in self.layers if k >= start], moves)
         return perplexity(session, self.windows, batch_size=self.batch_size,
                           feed_extra=lambda rows: {**extra, HIDDEN_INPUT: states[rows]}).perplexity
 

@@ -12,8 +12,10 @@ Search over bypasses and drops (`plan_attention`), starting from the cosine rank
   4. refine: re-search the chosen layers' alphas greedily top-down, as HARP does.
 Search over fits (`plan_fits`): the same pool, each layer with its map fitted alone (`search.fit.solo_fits`);
 solo, then greedy as above; then, with bypass or drop moves allowed too, each chosen layer's move is chosen again,
-top-down with the others' kept, among its map and every alpha of its (mean-shifted) bypass, and changed only if
-that lowers the search perplexity: so each layer ends up with the fit, a drop or a bypass.
+top-down with the others' kept, among its map and the alphas of its (mean-shifted) bypass, and changed only if
+that lowers the search perplexity: so each layer ends up with the fit, a drop or a bypass. That sweep takes the
+perplexity as unimodal in alpha (it stops after two alphas in a row that do no better) and runs the layers below
+the swept one once, from the state their moves leave (`GatedSuffix.entering`).
 
 The greedy stage is lazy: the increase in perplexity a layer's move caused when last measured (alone, or with
 fewer layers moved) is a lower bound on the increase it causes with the current set if increases compound (a
@@ -64,8 +66,8 @@ class _Evaluator:
         self.bar = tqdm(desc="plan", unit="eval", disable=not progress, leave=False)
         self.best = float("inf")
 
-    def __call__(self, alphas: dict[int, float]) -> float:
-        value = self.suffix.perplexity(alphas, self.start)
+    def __call__(self, alphas: dict[int, float | str], below: dict[int, float | str] | None = None) -> float:
+        value = self.suffix.perplexity(alphas, self.start if below is None else min(alphas), below)
         self.best = min(self.best, value)
         self.bar.update()
         self.bar.set_postfix(best=f"{self.best:.2f}")
@@ -74,6 +76,21 @@ class _Evaluator:
     def alpha_sweep(self, fixed: dict[int, float], layer: int) -> dict[float, float]:
         """Perplexity for each alpha of `layer`, with the `fixed` moves kept."""
         return {alpha: self({**fixed, layer: alpha}) for alpha in self.grid}
+
+    def unimodal_sweep(self, fixed: dict[int, float | str], layer: int, patience: int = 2) -> dict[float, float]:
+        """Perplexity for the alphas of `layer` in grid order, with the `fixed` moves kept (those below `layer` run
+        once), until `patience` alphas in a row do no better than the best so far: the perplexity is taken as
+        unimodal in alpha."""
+        below = {k: v for k, v in fixed.items() if k < layer}
+        above = {k: v for k, v in fixed.items() if k > layer}
+        sweep: dict[float, float] = {}
+        best, worse = float("inf"), 0
+        for alpha in self.grid:
+            sweep[alpha] = self({**above, layer: alpha}, below)
+            best, worse = (sweep[alpha], 0) if sweep[alpha] < best else (best, worse + 1)
+            if worse >= patience:
+                break
+        return sweep
 
 
 def candidate_pool(scores: dict[int, float], budget: int, extra: int) -> list[int]:
@@ -153,7 +170,7 @@ def plan_fits(model: ir.Model, folder: Path, windows: np.ndarray, scores: dict[i
         mixed = _Evaluator(model, folder, windows, layers, progress, means, grid,
                            {**session_args, "fits": {k: solo.maps[k] for k in layers}, "mixed": True})
         for layer in reversed(layers):
-            sweep = mixed.alpha_sweep({k: v for k, v in moves.items() if k != layer}, layer)
+            sweep = mixed.unimodal_sweep({k: v for k, v in moves.items() if k != layer}, layer)
             best = best_alpha(sweep)
             if sweep[best] < current:
                 moves[layer], current = best, sweep[best]
