@@ -10,12 +10,12 @@ Search over bypasses and drops (`plan_attention`), starting from the cosine rank
   2. solo: for each pool layer alone, the best alpha in {0, 0.1, ..., 1} (alpha 0 is a drop);
   3. greedy: add, one at a time, the pool layer (with its solo alpha) whose addition gives the lowest perplexity;
   4. refine: re-search the chosen layers' alphas greedily top-down, as HARP does.
-Search over fits (`plan_fits`): the same pool, each layer with its map fitted alone (`search.fit.solo_fits`);
-solo, then greedy as above; then, with bypass or drop moves allowed too, each chosen layer's move is chosen again,
-top-down with the others' kept, among its map and the alphas of its (mean-shifted) bypass, and changed only if
-that lowers the search perplexity: so each layer ends up with the fit, a drop or a bypass. That sweep takes the
-perplexity as unimodal in alpha (it stops after two alphas in a row that do no better) and runs the layers below
-the swept one once, from the state their moves leave (`GatedSuffix.entering`).
+Search over fits (`plan_fits`): the same pool, each layer with its map fitted alone (`search.fit.solo_fits`); solo,
+then greedy as above; then, given a grid of alphas (`plan --per-layer-moves`), each chosen layer's move is chosen
+again, top-down with the others' kept, among its map and the alphas of its (mean-shifted) bypass, and changed only
+if that lowers the search perplexity: so each layer ends up with the fit, a drop or a bypass. That sweep takes the
+perplexity as unimodal in alpha (it stops after two alphas in a row that do no better) and runs the layers below the
+swept one once, from the state their moves leave (`GatedSuffix.entering`).
 
 The greedy stage is lazy: the increase in perplexity a layer's move caused when last measured (alone, or with
 fewer layers moved) is a lower bound on the increase it causes with the current set if increases compound (a
