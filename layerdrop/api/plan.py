@@ -438,30 +438,24 @@ def _fit_rows(model: ir.Model, folder: Path, scores: dict[int, float], count: in
     planned = plan_fits(model, folder, search.ids, scores, count, solo=solo, extra=extra, progress=progress,
                         grid=grid, means=means, **search_args)
     lowest = lowest_layers(scores, count)
-    rows = [_fitted_row("attention fit on the lowest-scored layers", model, folder, lowest, fit_windows, search,
-                        progress, search_args)]
+
+    def row(name: str, base: ir.Model, layers: list[int], alphas: dict | None = None, shifted: dict | None = None):
+        """A row with `layers` replaced by maps fitted bottom-up on `base` (the model with `alphas` applied)."""
+        fit = fit_attention(base, folder, fit_windows, layers, validation=search, progress=progress, **search_args)
+        moves = ({"fit"} if layers else set()) | _moves_of(alphas or {}) | ({"shift"} if shifted else set())
+        return Candidate(name, dict(alphas or {}), means=shifted, fits=fit.maps or None, ridges=fit.ridges,
+                         moves=frozenset(moves))
+
     if planned.fits == lowest and not planned.alphas:
-        rows[0].name = "planner: fitted maps on the layers it chose (the lowest-scored)"
-    elif not planned.alphas:
-        rows.append(_fitted_row("planner: fitted maps on the layers it chose", model, folder, planned.fits,
-                                fit_windows, search, progress, search_args))
-    else:
-        shifted = {k: means[k] for k in planned.alphas} if means is not None else None
-        bypassed = model_folder.copy_model(model)
-        run_passes(bypassed, rewrite_passes([], planned.alphas, "plan", means=shifted))
-        row = _fitted_row("planner: the fit, drop or bypass it chose for each layer", bypassed, folder,
-                          planned.fits, fit_windows, search, progress, search_args)
-        row.alphas, row.means = planned.alphas, shifted
-        row.moves = row.moves | _moves_of(planned.alphas) | ({"shift"} if shifted else set())
-        rows.append(row)
-    return planned, rows
-
-
-def _fitted_row(name: str, model: ir.Model, folder: Path, layers: list[int], fit_windows: Windows, search: Windows,
-                progress: bool, search_args: dict) -> Candidate:
-    """A row with `layers` replaced by maps fitted bottom-up on `model` (none: no fit move)."""
-    fit = fit_attention(model, folder, fit_windows, layers, validation=search, progress=progress, **search_args)
-    return Candidate(name, fits=fit.maps or None, ridges=fit.ridges, moves=frozenset({"fit"} if layers else ()))
+        return planned, [row("planner: fitted maps on the layers it chose (the lowest-scored)", model, lowest)]
+    rows = [row("attention fit on the lowest-scored layers", model, lowest)]
+    if not planned.alphas:
+        return planned, rows + [row("planner: fitted maps on the layers it chose", model, planned.fits)]
+    shifted = {k: means[k] for k in planned.alphas} if means is not None else None
+    bypassed = model_folder.copy_model(model)
+    run_passes(bypassed, rewrite_passes([], planned.alphas, "plan", means=shifted))
+    return planned, rows + [row("planner: the fit, drop or bypass it chose for each layer", bypassed, planned.fits,
+                                planned.alphas, shifted)]
 
 
 def _moves_of(alphas: dict[int, float]) -> frozenset:

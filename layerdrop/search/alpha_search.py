@@ -76,9 +76,9 @@ class GatedSuffix:
     def entering(self, below: dict[int, float | str], layer: int) -> np.ndarray:
         """The hidden state entering pool layer `layer` with the moves `below` (of pool layers under it) applied:
         the windows run once through a gated graph from the lowest of them to `layer` (the last result is kept)."""
-        key = (layer, tuple(sorted(below.items())))
         if not below:
             return self.hidden[layer]
+        key = (layer, tuple(sorted(below.items())))
         if self._entered is None or self._entered[0] != key:
             self._entered = None
             low = min(below)
