@@ -125,6 +125,42 @@ def test_fit_moves_plan_fitted_layers_equal_to_torch(exported, tmp_path, rng):
     np.testing.assert_allclose(ort_logits(tmp_path / "model", ids), logits(model, ids), atol=1e-4, rtol=0)
 
 
+def test_self_samples_join_the_fits_calibration_windows_like_torch(exported, tmp_path, rng):
+    """--self-samples 3: the written pick is PyTorch's model with maps fitted on the calibration windows and 3
+    windows PyTorch samples from the unmodified model with the same draws (seed 0, a first token among the
+    tokenizer's ordinary tokens), with the ridges the planner chose."""
+    from tests.torch_reference import fitted, sampled
+
+    folder = exported("llama", True)
+    report = tmp_path / "plan.json"
+    code = main(["plan", *NO_TASK, str(folder), "-o", str(tmp_path / "model"), "--budget", "attn=2", "--samples", "4",
+                 "--search-samples", "2", "--eval-samples", "2", "--seq-len", "32", "--moves", "fit",
+                 "--self-samples", "3", "--json", str(report), "--no-progress"])
+    assert code == 0
+    result = json.loads(report.read_text())
+    pick = result["pick"]
+    assert pick["moves"] == ["fit"] and result["fit_text"]["self_samples"] == 3
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    special = {token["id"] for token in tokenizer["added_tokens"] if token["special"]}
+    first = np.array([i for i in range(min(len(tokenizer["model"]["vocab"]), VOCAB)) if i not in special])
+    calib = api.windows_for(folder, None, role="calib", samples=4, seq_len=32).ids
+    windows = np.concatenate([calib, sampled(tiny_model("llama"), 3, calib.shape[1], first, seed=0)])
+    model = tiny_model("llama")
+    for layer in pick["fits"]:
+        model, _ = fitted(model, windows, [layer], pick["ridges"][str(layer)])
+    ids = rng.randint(0, VOCAB, size=(1, 10))
+    np.testing.assert_allclose(ort_logits(tmp_path / "model", ids), logits(model, ids), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--self-samples", "-1"], "--self-samples '-1': give 0"),
+    (["--self-samples", "2", "--moves", "drop,bypass"], "--self-samples adds windows to the fits' calibration"),
+])
+def test_bad_self_samples_are_refused(exported, tmp_path, capsys, args, message):
+    code = main(["plan", str(exported("llama", True)), "-o", str(tmp_path / "m"), "--budget", "attn=2", *args])
+    assert code == 2 and message in capsys.readouterr().err and not (tmp_path / "m").exists()
+
+
 def test_the_fit_search_measures_each_layers_map_like_torch_and_adds_layers_greedily(exported, tmp_path):
     """Each pool layer's map fitted alone (PyTorch hooks and numpy's lstsq on the planner's calibration windows, with
     the ridge it chose) gives, in PyTorch, the perplexity the planner logged for it; the first layer it takes is the

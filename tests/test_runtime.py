@@ -198,3 +198,27 @@ def test_the_ideal_of_fused_graphs_counts_the_removed_branches_found_by_structur
     result = api.bench(tmp_path / "base-fused", tmp_path / "fused", seqs=(16,), runs=1, decode_tokens=2)
     entry = result["prefill"][0]
     assert entry["ideal_from"] == "regions" and entry["ideal"] > 1 and 0 < entry["removed_share"] < 1
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_windows_the_model_samples_through_the_cache_equal_torch_with_the_same_draws(exported, family):
+    """Sampled windows (two batches, a BOS first, longer than Gemma-3's sliding window of 6) are the tokens that
+    PyTorch's softmax, recomputed over the whole sequence each step, gives for the same uniform draws."""
+    from layerdrop.runtime.generate import sample_windows
+    from tests.helpers import session
+    from tests.torch_reference import VOCAB, sampled
+
+    first = np.arange(3, VOCAB)
+    windows = sample_windows(session(exported(family, True)), 3, 14, first, bos_id=1, seed=7, batch_size=2)
+    assert windows.shape == (3, 14) and (windows[:, 0] == 1).all() and (windows[:, 1] >= 3).all()
+    np.testing.assert_array_equal(windows, sampled(tiny_model(family), 3, 14, first, seed=7, bos_id=1, batch_size=2))
+    assert len({tuple(row) for row in windows}) == 3  # sampled, not one greedy continuation
+
+
+def test_sampling_windows_needs_a_kv_cache(exported):
+    from layerdrop.errors import LayerdropError
+    from layerdrop.runtime.generate import sample_windows
+    from tests.helpers import session
+
+    with pytest.raises(LayerdropError, match="needs a graph with a KV cache"):
+        sample_windows(session(exported("llama", False)), 2, 8, np.arange(10))

@@ -193,6 +193,28 @@ def greedy(model: torch.nn.Module, ids: np.ndarray, steps: int) -> tuple[list[in
     return tokens, step_logits
 
 
+def sampled(model: torch.nn.Module, count: int, width: int, first_tokens: np.ndarray, seed: int,
+            bos_id: int | None = None, batch_size: int = 16) -> np.ndarray:
+    """Windows the model writes itself, by recomputing the whole sequence each step (no cache), replaying the draws
+    `runtime.generate.sample_windows` documents: per batch, the first tokens from `rng.choice`, then one uniform a
+    row a step, mapped through the inverse of the softmax's cumulative distribution (torch's, in float64)."""
+    rng = np.random.default_rng(seed)
+    windows = []
+    for start in range(0, count, batch_size):
+        rows = min(batch_size, count - start)
+        firsts = rng.choice(np.asarray(first_tokens, dtype=np.int64), rows)
+        seqs = [([] if bos_id is None else [bos_id]) + [int(first)] for first in firsts]
+        while len(seqs[0]) < width:
+            with torch.no_grad():
+                last = model(torch.tensor(seqs), use_cache=False).logits[:, -1].double()
+            cumulative = torch.cumsum(torch.softmax(last, dim=-1), dim=-1).numpy()
+            uniform = rng.random(rows)
+            for row in range(rows):
+                seqs[row].append(int(np.searchsorted(cumulative[row], uniform[row], side="right")))
+        windows.append(np.array(seqs))
+    return np.concatenate(windows)
+
+
 def hook_scores(model: torch.nn.Module, windows: np.ndarray, skip_first: bool = False) -> dict[tuple[str, int], float]:
     """SPEC §2 scores from forward hooks: X before each norm, Y after each residual Add, float64 cosine; with
     `skip_first`, position 0 (a BOS) is left out of the average."""

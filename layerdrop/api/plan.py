@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import onnx_ir as ir
 from tqdm import tqdm
 
@@ -32,6 +33,7 @@ from layerdrop.passes.find_residuals import annotated_regions
 from layerdrop.passes.metadata import removed_modules, write_json
 from layerdrop.runtime.bench import paired_speedup
 from layerdrop.runtime.evaluate import perplexity
+from layerdrop.runtime.generate import sample_windows
 from layerdrop.runtime.session import make_session
 from layerdrop.search.alpha_search import ALPHA_GRID
 from layerdrop.search.blocks import BlockFit, replaceme, with_replaced_run
@@ -47,7 +49,7 @@ from layerdrop.search.selection import (
     parse_budget,
     select_lowest,
 )
-from layerdrop.windows import Sampling, Windows
+from layerdrop.windows import Sampling, Windows, load_tokenizer
 
 MOVES = ("drop", "bypass", "shift", "fit", "blocks")
 ACCURACY_ITEMS = 200  # multiple-choice items of the accuracy column
@@ -123,6 +125,7 @@ def plan(
     moves: str | None = None,
     shift: bool = True,
     per_layer_moves: bool = False,
+    self_samples: int = 0,
     provider: str = "cpu",
     threads: int | None = None,
     force: bool = False,
@@ -162,6 +165,10 @@ def plan(
     `runtime.tasks.paired_difference`: how far the choice of items alone could move it). With `speedup_runs` > 0,
     every row's prefill at `speedup_tokens` (default: a speedup budget's T, 1024 if it names none, else `seq_len`)
     is timed against the baseline's, runs alternating, and the ratio of the medians is its measured speedup.
+    With `self_samples` > 0, that many windows the model writes itself (`runtime.generate.sample_windows`: from a
+    random first token, temperature 1, seeded by `sampling.seed`) join the calibration windows of every fit (the
+    attention maps and ReplaceMe's transforms; not the means, the scores or the search): a prior toward the model's
+    own distribution where the calibration text is of one kind (the README's cross-kind run).
 
     Returns:
         {"budget", "attention_layers" (of the attention rows; blocks, without them), "block_count" (of the block
@@ -171,8 +178,8 @@ def plan(
          "accuracy_difference", "accuracy_difference_se" (points), "accuracy_correct" (each item: 1 right, 0 wrong)}],
          "baseline": {...}, "search_seconds", "also_eval_texts",
          "accuracy_items", "accuracy_task": [{"context", "choices", "answer"}],
-         "search_text", "eval_text", "fit_text", "skipped": [why a default move made no row, e.g. too few
-         tokens for a fit]}
+         "search_text", "eval_text", "fit_text" (with "self_samples" where some were added), "skipped": [why a
+         default move made no row, e.g. too few tokens for a fit]}
 
     Raises:
         LayerdropError: a bad budget, move word, model or text.
@@ -187,6 +194,10 @@ def plan(
     if per_layer_moves and not ("fit" in allowed and allowed & {"drop", "bypass"}):
         raise LayerdropError("--per-layer-moves chooses among fit, drop and bypass for each layer: allow fit and drop "
                              "or bypass in --moves (the default for attn and kv budgets)")
+    if self_samples < 0:
+        raise LayerdropError(f"--self-samples {self_samples}: give a number of windows, 0 or more")
+    if self_samples and not allowed & {"fit", "blocks"}:
+        raise LayerdropError("--self-samples adds windows to the fits' calibration: allow fit or blocks in --moves")
     started = time.perf_counter()
     calib_windows, search, held_out = _plan_windows(folder.path, calib, eval_text, search_text, samples,
                                                     search_samples, eval_samples, seq_len, sampling)
@@ -227,6 +238,9 @@ def plan(
     if "fit" in allowed or block_count:
         fit_windows = windows_for(folder.path, calib, role="calib", samples=min(samples, fit_samples),
                                   seq_len=seq_len, sampling=sampling)
+        if self_samples:
+            fit_windows = _with_self_samples(model, folder.path, fit_windows, self_samples, sampling.seed, progress,
+                                             session_args)
     grid = grid_of(allowed) if count else ()
     fits_searched = bool(count) and "fit" in allowed  # with fits allowed, the planner searches fits
     phase.total = phase.done + 1 + bool(count) + (fits_searched or bool(grid)) + bool(block_count)
@@ -606,6 +620,23 @@ class _Phases:
             elapsed = time.perf_counter() - self.started
             print(f"layerdrop plan: [{self.done}/{self.total}] {text} ({elapsed:.0f} s in)", file=sys.stderr,
                   flush=True)
+
+
+def _with_self_samples(model: ir.Model, folder: Path, windows: Windows, count: int, seed: int, progress: bool,
+                       session_args: dict) -> Windows:
+    """`windows` and `count` more that the model writes itself, as wide, from a first token drawn among the
+    tokenizer's ordinary tokens (special ones left out) below the model's vocabulary size, after the BOS where the
+    windows have one (`runtime.generate.sample_windows`)."""
+    tokenizer = load_tokenizer(folder)
+    special = {i for i, token in tokenizer.tokenizer.get_added_tokens_decoder().items() if token.special}
+    size = min(tokenizer.tokenizer.get_vocab_size(), model_folder.config(folder).get("vocab_size") or sys.maxsize)
+    first = np.array([i for i in range(size) if i not in special], dtype=np.int64)
+    bar = tqdm(total=count, desc="sampling calibration windows from the model", unit="window", disable=not progress,
+               leave=False)
+    sampled = sample_windows(make_session(model, folder=folder, **session_args), count, windows.ids.shape[1], first,
+                             bos_id=tokenizer.bos_id if windows.bos else None, seed=seed, bar=bar)
+    bar.close()
+    return Windows(np.concatenate([windows.ids, sampled]), {**windows.source, "self_samples": count}, windows.bos)
 
 
 def _skip(reason: str) -> str:

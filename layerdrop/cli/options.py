@@ -134,3 +134,14 @@ def parse_provider(text: str) -> str:
         raise LayerdropError(f"unknown provider {text!r}; use cpu, cuda, auto, CPUExecutionProvider or "
                              "CUDAExecutionProvider")
     return provider
+
+
+def parse_self_samples(text: str) -> int:
+    """0 (none) or a number of windows the model writes for the fits."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise LayerdropError(f"--self-samples {text!r}: give 0 (none) or a number of windows")
+    return value

@@ -155,3 +155,60 @@ def cached_feed(outputs: dict[str, np.ndarray], ids: np.ndarray, mask: np.ndarra
     if "position_ids" in input_names:
         feed["position_ids"] = positions
     return feed
+
+
+def sample_windows(
+    session: ort.InferenceSession,
+    count: int,
+    width: int,
+    first_tokens: np.ndarray,
+    *,
+    bos_id: int | None = None,
+    seed: int = 0,
+    batch_size: int = 16,
+    bar=None,
+) -> np.ndarray:
+    """`count` windows [count, width] that the model writes itself: each starts with `bos_id` (when given) and a
+    token drawn uniformly from `first_tokens`, and goes on with tokens sampled from the model's next-token
+    distribution (temperature 1, no truncation), through the KV cache.
+
+    Draws, from `numpy.random.default_rng(seed)`, for each batch of up to `batch_size` windows in turn: the first
+    tokens (`rng.choice(first_tokens, rows)`), then at each step one uniform number per row (`rng.random(rows)`),
+    and the token is the first whose cumulative probability (float64 softmax of the logits) exceeds it, so a reference
+    can replay the same draws. `bar` (a tqdm bar) advances by one per window.
+
+    Raises:
+        LayerdropError: a graph without a KV cache (sampling would run the whole prefix again for every token).
+    """
+    if not is_kv_graph(session):
+        raise LayerdropError("sampling windows from the model needs a graph with a KV cache; export the model "
+                             "without --no-kv-cache")
+    output_names = [o.name for o in session.get_outputs()]
+    input_names = {i.name for i in session.get_inputs()}
+    rng = np.random.default_rng(seed)
+    prefix = 1 + (bos_id is not None)
+    if width <= prefix:
+        raise LayerdropError(f"sampled windows need more than {prefix} tokens; give a longer --seq-len")
+    windows = []
+    for start in range(0, count, batch_size):
+        rows = min(batch_size, count - start)
+        firsts = rng.choice(np.asarray(first_tokens, dtype=np.int64), rows)[:, None]
+        ids = firsts if bos_id is None else np.concatenate([np.full((rows, 1), bos_id, np.int64), firsts], axis=1)
+        mask = np.ones_like(ids)
+        outputs = dict(zip(output_names, session.run(output_names, prefill_feed(session, ids, mask))))
+        for _ in range(width - prefix):
+            logits = outputs["logits"][:, -1].astype(np.float64)
+            weights = np.exp(logits - logits.max(axis=-1, keepdims=True))
+            cumulative = np.cumsum(weights, axis=-1)
+            drawn = rng.random(rows)[:, None] * cumulative[:, -1:]
+            tokens = np.minimum((cumulative <= drawn).sum(axis=-1), logits.shape[-1] - 1).astype(np.int64)[:, None]
+            ids = np.concatenate([ids, tokens], axis=1)
+            if ids.shape[1] == width:
+                break
+            mask = np.ones_like(ids)
+            feed = cached_feed(outputs, tokens, mask, np.full((rows, 1), ids.shape[1] - 1, np.int64), input_names)
+            outputs = dict(zip(output_names, session.run(output_names, feed)))
+        windows.append(ids)
+        if bar is not None:
+            bar.update(rows)
+    return np.concatenate(windows)
