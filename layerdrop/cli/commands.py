@@ -186,8 +186,8 @@ def cmd_plan(args) -> int:
                       eval_samples=args.eval_samples,
                       fit_samples=args.fit_samples, seq_len=args.seq_len, sampling=sampling(args),
                       batch_size=args.batch_size, extra=args.extra, moves=args.moves, shift=args.shift,
-                      per_layer_moves=args.per_layer_moves, self_samples=args.self_samples, force=args.force, progress=_progress(args),
-                      quantize=args.quantize,
+                      per_layer_moves=args.per_layer_moves, self_samples=args.self_samples, force=args.force,
+                      progress=_progress(args), quantize=args.quantize,
                       keep_float=args.keep_float, also_eval=args.also_eval,
                       accuracy_items=args.accuracy_items, speedup_tokens=args.speedup_tokens,
                       speedup_runs=args.speedup_runs, **_runtime(args))

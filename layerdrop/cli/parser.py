@@ -243,9 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speedup-runs", type=parse_runs, default=5, help="timed prefill runs per row for that column, "
                    "alternating with the baseline's (0: no column)")
     p.add_argument("--fit-samples", type=parse_count, default=64, help="calibration windows the fits are estimated on")
-    p.add_argument("--self-samples", type=parse_self_samples, default=0, help="windows the model writes itself (random first "
-                   "token, temperature 1) added to the fits' calibration windows: a prior toward the model's own "
-                   "text where --calib is of one kind (default 0; 64 take about 2 minutes for SmolLM2 on 2 cores)")
+    p.add_argument("--self-samples", type=parse_self_samples, default=0,
+                   help="windows the model writes itself (random first token, temperature 1) added to the fits' "
+                   "calibration windows: a prior toward the model's own text where --calib is of one kind (default 0;"
+                   " 64 take about 2 minutes for SmolLM2 on 2 cores)")
     _quantize_option(p)
     p.add_argument("--json", type=Path)
     _sampling_options(p)
