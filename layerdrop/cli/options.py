@@ -92,15 +92,20 @@ def parse_items(text: str) -> int:
     return value
 
 
-def parse_runs(text: str) -> int:
-    """0 (no measured speedup column) or a positive number of timed runs."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise LayerdropError(f"--speedup-runs {text!r}: give 0 (no speedup column) or a number of runs")
-    return value
+def _zero_or_more(flag: str, meaning: str):
+    """A parser of a whole number, 0 or more, for `flag`; anything else gets one line: give `meaning`."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = -1
+        if value < 0:
+            raise LayerdropError(f"{flag} {text!r}: give {meaning}")
+        return value
+    return parse
+
+
+parse_runs = _zero_or_more("--speedup-runs", "0 (no speedup column) or a number of runs")  # timed runs per row
 
 
 def parse_count(text: str) -> int:
@@ -135,13 +140,4 @@ def parse_provider(text: str) -> str:
                              "CUDAExecutionProvider")
     return provider
 
-
-def parse_self_samples(text: str) -> int:
-    """0 (none) or a number of windows the model writes for the fits."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise LayerdropError(f"--self-samples {text!r}: give 0 (none) or a number of windows")
-    return value
+parse_self_samples = _zero_or_more("--self-samples", "0 (none) or a number of windows")  # the model's own windows
