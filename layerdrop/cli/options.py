@@ -106,6 +106,7 @@ def _zero_or_more(flag: str, meaning: str):
 
 
 parse_runs = _zero_or_more("--speedup-runs", "0 (no speedup column) or a number of runs")  # timed runs per row
+parse_self_samples = _zero_or_more("--self-samples", "0 (none) or a number of windows")  # the model's own windows
 
 
 def parse_count(text: str) -> int:
@@ -139,5 +140,3 @@ def parse_provider(text: str) -> str:
         raise LayerdropError(f"unknown provider {text!r}; use cpu, cuda, auto, CPUExecutionProvider or "
                              "CUDAExecutionProvider")
     return provider
-
-parse_self_samples = _zero_or_more("--self-samples", "0 (none) or a number of windows")  # the model's own windows
