@@ -239,7 +239,7 @@ def plan(
         fit_windows = windows_for(folder.path, calib, role="calib", samples=min(samples, fit_samples),
                                   seq_len=seq_len, sampling=sampling)
         if self_samples:
-            fit_windows = _with_self_samples(model, folder.path, fit_windows, self_samples, sampling.seed, progress,
+            fit_windows = with_self_samples(model, folder.path, fit_windows, self_samples, sampling.seed, progress,
                                              session_args)
     grid = grid_of(allowed) if count else ()
     fits_searched = bool(count) and "fit" in allowed  # with fits allowed, the planner searches fits
@@ -622,7 +622,7 @@ class _Phases:
                   flush=True)
 
 
-def _with_self_samples(model: ir.Model, folder: Path, windows: Windows, count: int, seed: int, progress: bool,
+def with_self_samples(model: ir.Model, folder: Path, windows: Windows, count: int, seed: int, progress: bool,
                        session_args: dict) -> Windows:
     """`windows` and `count` more that the model writes itself, as wide, from a first token drawn among the
     tokenizer's ordinary tokens (special ones left out) below the model's vocabulary size, after the BOS where the
