@@ -37,7 +37,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     layers = [int(k) for k in args.layers.split(",")]
-    folder, _ = open_model(args.scored)
+    folder, unmodified = open_model(args.scored)  # sampled from as it is; each fit below opens its own copy
     calib_text = resolve_text(args.calib)
     calib = windows_for(folder.path, calib_text, role="calib", samples=64, seq_len=256)
     sha = calib.source["sha256"]  # as `plan` draws its search windows: of --search-text, else of --calib
@@ -47,9 +47,8 @@ def main() -> None:
                                   calibration_sha256=sha) for name in HELD_OUT}
     variants = {"calibration text": calib}
     if args.self_samples:
-        _, model = open_model(args.scored)
         variants[f"plus {args.self_samples} self-samples"] = with_self_samples(
-            model, folder.path, calib, args.self_samples, 0, False, {"threads": args.threads})
+            unmodified, folder.path, calib, args.self_samples, 0, False, {"threads": args.threads})
     for name, windows in variants.items():
         _, model = open_model(args.scored)
         fit = fit_attention(model, folder.path, windows, layers, validation=search, threads=args.threads)
