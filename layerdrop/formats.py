@@ -30,6 +30,9 @@ SCORE_KEY = "layerdrop.score"                # {"score", "norm_ratio"} of the re
 BLOCK_SCORE_KEY = "layerdrop.block_score"    # the block's score, on the Add that ends the block
 SCOPES_KEY = "pkg.torch.onnx.name_scopes"    # torch.onnx's provenance (a cross-check for layer numbers)
 
+# -- graph outputs layerdrop adds -----------------------------------------------------------------------------------
+TOKEN_LOGPROBS = "layerdrop_token_logprobs"  # log p(next token) per position, for perplexity (TokenLogprobsPass)
+
 # -- KV-cache names (optimum's and onnxruntime-genai's convention) -------------------------------------------------
 KV_NAME = re.compile(r"^(past_key_values|present)\.(\d+)\.(key|value)$")
 

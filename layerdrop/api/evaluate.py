@@ -7,6 +7,7 @@ from pathlib import Path
 from layerdrop import model_folder
 from layerdrop.api.common import DEFAULT_SEQ_LEN, calibration_sha256, windows_for
 from layerdrop.errors import LayerdropError
+from layerdrop.passes.token_logprobs import with_token_logprobs
 from layerdrop.runtime.evaluate import perplexity
 from layerdrop.runtime.generate import greedy_generate
 from layerdrop.runtime.session import make_session
@@ -34,7 +35,7 @@ def evaluate(
     folder, model = model_folder.load(model_path)  # validates the folder and its external data before ORT reads it
     windows = windows_for(folder.path, text, role="eval", samples=samples, seq_len=seq_len, sampling=sampling,
                           calibration_sha256=calibration_sha256(model))
-    session = make_session(folder.onnx_path, provider=provider, threads=threads)
+    session = make_session(with_token_logprobs(model), folder=folder.path, provider=provider, threads=threads)
     result = perplexity(session, windows.ids, batch_size=batch_size, progress=progress)
     return {"perplexity": result.perplexity, "nll": result.nll, "tokens": result.tokens, "text": windows.source}
 

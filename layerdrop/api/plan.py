@@ -31,6 +31,7 @@ from layerdrop.passes.attach_scores import read_scores
 from layerdrop.passes.cleanup import run_passes
 from layerdrop.passes.find_residuals import annotated_regions
 from layerdrop.passes.metadata import removed_modules, write_json
+from layerdrop.passes.token_logprobs import with_token_logprobs
 from layerdrop.runtime.bench import paired_speedup
 from layerdrop.runtime.evaluate import perplexity
 from layerdrop.runtime.generate import sample_windows
@@ -490,14 +491,15 @@ def _rewritten(model: ir.Model, candidate: Candidate) -> ir.Model:
 
 
 def _measured(model: ir.Model, folder: Path, candidate: Candidate, search: Windows, held_out: _HeldOut,
-              search_args: dict, layers: int, session=None, speed: tuple | None = None) -> dict:
+              search_args: dict, layers: int, speed: tuple | None = None, session=None) -> dict:
     """One row of the comparison: the rewritten model's perplexity on the search and the held-out windows, its
     accuracy on the held-out items, the share of attention layers that keep a KV cache, and (with `speed` = (the
-    baseline's session, tokens, runs > 0)) its prefill speedup measured against the baseline's, runs alternating."""
-    rewritten = _rewritten(model, candidate) if session is None else model
-    if session is None:
-        session = make_session(rewritten, folder=folder, provider=search_args["provider"],
-                               threads=search_args["threads"])
+    baseline's session, tokens, runs > 0)) its prefill speedup measured against the baseline's, runs alternating.
+
+    Perplexities come from a session whose graph takes the log-softmax itself (`with_token_logprobs`); accuracy and
+    timings from one of the rewritten graph as it is written (`session`, or one built after the first is freed)."""
+    rewritten = _rewritten(model, candidate)
+    session_args = {"provider": search_args["provider"], "threads": search_args["threads"]}
     batch = search_args["batch_size"]
     run = candidate.run
     row = {"method": candidate.name, "alphas": {int(k): v for k, v in sorted(candidate.alphas.items())},
@@ -506,16 +508,23 @@ def _measured(model: ir.Model, folder: Path, candidate: Candidate, search: Windo
            "blocks": candidate.blocks or (list(range(run.start + 1, run.start + 1 + run.count)) if run else []),
            "replaced_into": run.start if run else None, "run_ridge": run.ridge if run else None,
            "moves": sorted(candidate.moves),
-           "kv_kept": sum(r.kind == "attn" for r in annotated_regions(rewritten)) / layers,
-           "search_ppl": perplexity(session, search.ids, batch_size=batch).perplexity,
-           "eval_ppl": perplexity(session, held_out.main.ids, batch_size=batch).perplexity}
+           "kv_kept": sum(r.kind == "attn" for r in annotated_regions(rewritten)) / layers}
+    scoring = make_session(with_token_logprobs(rewritten), folder=folder, **session_args)
+    row["search_ppl"] = perplexity(scoring, search.ids, batch_size=batch).perplexity
+    row["eval_ppl"] = perplexity(scoring, held_out.main.ids, batch_size=batch).perplexity
     if held_out.others:
-        row["also_eval_ppl"] = {w.source["file"]: perplexity(session, w.ids, batch_size=batch).perplexity
+        row["also_eval_ppl"] = {w.source["file"]: perplexity(scoring, w.ids, batch_size=batch).perplexity
                                 for w in held_out.others}
+    del scoring
+    timed = speed is not None and speed[2]
+    if held_out.items is None and not timed:
+        return row
+    if session is None:
+        session = make_session(rewritten, folder=folder, **session_args)
     if held_out.items is not None:
         scores = _accuracy(rewritten, session, folder, held_out.items, search_args)
         row["accuracy"], row["accuracy_correct"] = scores.accuracy, [int(c) for c in scores.correct]
-    if speed is not None and speed[2]:
+    if timed:
         base_session, tokens, runs = speed
         row["speedup"] = paired_speedup(base_session, session, tokens, runs=runs)["speedup"]
     return row

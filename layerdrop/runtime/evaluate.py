@@ -9,6 +9,7 @@ import numpy as np
 import onnxruntime as ort
 from tqdm import tqdm
 
+from layerdrop.formats import TOKEN_LOGPROBS
 from layerdrop.runtime.feeds import prefill_feed
 
 
@@ -50,19 +51,24 @@ def perplexity(
     progress: bool = False,
     desc: str = "eval",
 ) -> Perplexity:
-    """Perplexity of a causal-LM session over windows [n, seq] of real tokens.
+    """Perplexity of a causal-LM session over windows [n, seq] of real tokens: from the session's token
+    log-probabilities where its graph has them (`passes.token_logprobs`, log-softmax in ONNX Runtime), else from
+    its logits (in numpy).
 
     Args:
         feed_extra: rows -> extra inputs for the windows in `rows` (a cached hidden state, an alpha).
     """
     total, count = 0.0, 0
+    in_graph = any(o.name == TOKEN_LOGPROBS for o in session.get_outputs())
     starts = range(0, len(windows), batch_size)
     for start in tqdm(starts, desc=desc, unit="batch", disable=not progress, leave=False):
         ids = windows[start : start + batch_size]
         extra = feed_extra(slice(start, start + len(ids))) if feed_extra else None
         feed = prefill_feed(session, ids, extra=extra)
-        logits = session.run(["logits"], feed)[0]
-        nll = token_nll(logits, ids)
+        if in_graph:
+            nll = -session.run([TOKEN_LOGPROBS], feed)[0].astype(np.float64)
+        else:
+            nll = token_nll(session.run(["logits"], feed)[0], ids)
         total += float(nll.sum())
         count += nll.size
     return Perplexity(total / count, count)

@@ -21,6 +21,7 @@ from layerdrop.model_folder import copy_model
 from layerdrop.passes.cleanup import run_passes
 from layerdrop.passes.gated_search import GatedBypassPass, GatedFitPass, GatedMixedPass, move_feeds
 from layerdrop.passes.graph_cuts import HIDDEN_INPUT, segment, suffix_to_logits
+from layerdrop.passes.token_logprobs import TokenLogprobsPass
 from layerdrop.runtime.evaluate import perplexity
 from layerdrop.runtime.feeds import numpy_type, prefill_feed
 from layerdrop.runtime.session import make_session
@@ -70,6 +71,7 @@ class GatedSuffix:
         if start != self.start:
             self.session = None  # free the old graph's weights before building the next
             graph = suffix_to_logits(self._gated(start), self.entries[start])
+            TokenLogprobsPass()(graph)  # perplexity from ONNX Runtime's log-softmax, not numpy's
             self.start, self.session = start, make_session(graph, folder=self.folder, **self.session_args)
         return self.session
 

@@ -27,6 +27,7 @@ from layerdrop.passes.fold_alpha import fold_chain_rules
 from layerdrop.passes.graph_cuts import with_outputs
 from layerdrop.passes.prune_kv_cache import PruneKvCachePass
 from layerdrop.passes.replace_blocks import ReplaceBlocksPass
+from layerdrop.passes.token_logprobs import TokenLogprobsPass
 from layerdrop.runtime.evaluate import perplexity
 from layerdrop.runtime.feeds import prefill_feed
 from layerdrop.runtime.session import make_session
@@ -139,7 +140,9 @@ def replaceme(model: ir.Model, folder: Path, windows: Windows, count: int, *, va
     else:
         scores = {}
         for ridge, transform in candidates.items():
-            session = make_session(with_replaced_run(model, start, count, transform), folder=folder, **session_args)
+            replaced = with_replaced_run(model, start, count, transform)
+            TokenLogprobsPass()(replaced)
+            session = make_session(replaced, folder=folder, **session_args)
             scores[ridge] = perplexity(session, validation, batch_size=batch_size).perplexity
             trials.append({"ridge": ridge, "perplexity": scores[ridge]})
         chosen = min(scores, key=lambda r: (scores[r], -r))
