@@ -5,7 +5,7 @@ token log-probabilities, `passes.token_logprobs`), as every search try and every
 
 Two graphs, each in both forms: the whole model, and the suffix from the hidden state entering attention layer
 --from-layer (an alpha-search try near the top of the model: that layer, the final norm and the LM head). Runs
-alternate between the two forms; the median of --runs is printed with both perplexities (they agree to about 1e-6).
+alternate between the two forms; the median of --runs is printed with both perplexities (they agree to about 2e-5).
 """
 
 from __future__ import annotations

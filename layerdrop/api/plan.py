@@ -241,7 +241,7 @@ def plan(
                                   seq_len=seq_len, sampling=sampling)
         if self_samples:
             fit_windows = with_self_samples(model, folder.path, fit_windows, self_samples, sampling.seed, progress,
-                                             session_args)
+                                            session_args)
     grid = grid_of(allowed) if count else ()
     fits_searched = bool(count) and "fit" in allowed  # with fits allowed, the planner searches fits
     phase.total = phase.done + 1 + bool(count) + (fits_searched or bool(grid)) + bool(block_count)
@@ -632,7 +632,7 @@ class _Phases:
 
 
 def with_self_samples(model: ir.Model, folder: Path, windows: Windows, count: int, seed: int, progress: bool,
-                       session_args: dict) -> Windows:
+                      session_args: dict) -> Windows:
     """`windows` and `count` more that the model writes itself, as wide, from a first token drawn among the
     tokenizer's ordinary tokens (special ones left out) below the model's vocabulary size, after the BOS where the
     windows have one (`runtime.generate.sample_windows`)."""
