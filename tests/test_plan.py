@@ -59,6 +59,35 @@ def test_every_method_is_compared_and_the_pick_is_measured_like_torch(planned, e
             "score-selected bypass, searched alphas"} <= names
 
 
+def test_rows_run_from_the_baselines_kept_states_like_torch(exported):
+    """A measured row runs from the baseline's hidden state at its lowest changed layer, kept from the baseline's
+    own runs on every window set; its perplexities are still PyTorch's for the same moves."""
+    from layerdrop.api.common import open_model
+    from layerdrop.api.plan import Candidate, _HeldOut, _measured, _prefix
+    from layerdrop.windows import bundled_text
+    from tests.torch_reference import perplexity as torch_perplexity
+
+    folder = exported("llama", True)
+    _, model = open_model(folder)
+    windows = {role: api.windows_for(folder, None, role=role, samples=2, seq_len=32) for role in ("search", "eval")}
+    docs = api.windows_for(folder, bundled_text("docs"), role="eval", samples=2, seq_len=32)
+    held_out = _HeldOut(windows["eval"], [docs], None)
+    candidates = [Candidate("drop 2 and 3", {2: 0.0, 3: 0.0}), Candidate("bypass 3", {3: 0.5}),
+                  Candidate("drop 1, bypass 3", {1: 0.0, 3: 0.3}), Candidate("drop 0", {0: 0.0})]
+    prefix = _prefix(model, candidates, 6, 32)
+    assert sorted(prefix.entries) == [1, 2, 3]  # layer 0 saves nothing
+    args = {"provider": "cpu", "threads": 1, "batch_size": 1}
+    _measured(model, folder, Candidate("baseline"), windows["search"], held_out, args, 4, prefix=prefix)
+    assert {k: v["eval"].shape for k, v in prefix.states.items()} == {k: (2, 32, 32) for k in (1, 2, 3)}
+    for candidate, start in zip(candidates, (2, 3, 1, None)):
+        row = _measured(model, folder, candidate, windows["search"], held_out, args, 4, prefix=prefix)
+        assert prefix.start(model, candidate) == start
+        reference = planned_reference(tiny_model("llama"), candidate.alphas)
+        assert row["search_ppl"] == pytest.approx(torch_perplexity(reference, windows["search"].ids), rel=1e-4)
+        assert row["eval_ppl"] == pytest.approx(torch_perplexity(reference, windows["eval"].ids), rel=1e-4)
+        assert list(row["also_eval_ppl"].values())[0] == pytest.approx(torch_perplexity(reference, docs.ids), rel=1e-4)
+
+
 def test_planned_model_equals_torch_reference_for_the_chosen_moves(planned, exported, rng):
     out, result = planned
     alphas = {int(k): v for k, v in result["pick"]["alphas"].items()}

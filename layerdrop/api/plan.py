@@ -26,12 +26,13 @@ from layerdrop.api.common import (
 )
 from layerdrop.api.score import score
 from layerdrop.errors import LayerdropError, TooFewTokens
-from layerdrop.formats import PLAN_KEY
+from layerdrop.formats import PLAN_KEY, TOKEN_LOGPROBS
 from layerdrop.passes.attach_scores import read_scores
 from layerdrop.passes.cleanup import run_passes
 from layerdrop.passes.find_residuals import annotated_regions
+from layerdrop.passes.graph_cuts import HIDDEN_INPUT, suffix_to_logits, with_outputs
 from layerdrop.passes.metadata import removed_modules, write_json
-from layerdrop.passes.token_logprobs import with_token_logprobs
+from layerdrop.passes.token_logprobs import TokenLogprobsPass, with_token_logprobs
 from layerdrop.runtime.bench import paired_speedup
 from layerdrop.runtime.evaluate import perplexity
 from layerdrop.runtime.generate import sample_windows
@@ -39,7 +40,7 @@ from layerdrop.runtime.session import make_session
 from layerdrop.search.alpha_search import ALPHA_GRID
 from layerdrop.search.blocks import BlockFit, replaceme, with_replaced_run
 from layerdrop.search.fit import fit_attention, solo_fits
-from layerdrop.search.measure import branch_means
+from layerdrop.search.measure import attention_entries, branch_means
 from layerdrop.search.planner import bypass_search, candidate_pool, plan_attention, plan_fits
 from layerdrop.search.selection import (
     PrefillMeter,
@@ -57,6 +58,7 @@ ACCURACY_ITEMS = 200  # multiple-choice items of the accuracy column
 ACCURACY_CONTEXT, ACCURACY_CONTINUATION = 32, 8  # tokens of an item's context and of each choice
 SPEEDUP_TOKENS, SPEEDUP_RUNS = 1024, 5  # a speedup budget's prefill length (without one in it); timed runs a row
 SIZING_RUNS = 3  # timed runs of each structure measured to size a speedup budget's rows
+PREFIX_BYTES = 512 * 2**20  # the baseline's hidden states kept for the measured rows' suffixes, at most
 
 
 @dataclass
@@ -67,6 +69,61 @@ class _HeldOut:
     main: Windows
     others: list[Windows]
     items: list[dict] | None
+
+    def sets(self, search: Windows) -> dict[str, Windows]:
+        """Every set of windows a row's perplexity is measured on, by key: search, eval, also0, also1, ..."""
+        return {"search": search, "eval": self.main, **{f"also{i}": w for i, w in enumerate(self.others)}}
+
+
+def _lowest_changed(candidate: Candidate) -> int | None:
+    """The lowest layer a candidate changes (a fitted run: the block its transform is folded into), or None."""
+    changed = [*candidate.alphas, *(candidate.fits or {}), *candidate.blocks]
+    if candidate.run is not None:
+        changed.append(candidate.run.start)
+    return min(changed, default=None)
+
+
+@dataclass
+class _Prefix:
+    """The baseline's hidden state entering some attention layers, for every measured window (search, held-out,
+    other held-out texts), taken from the baseline row's own runs: a row whose lowest changed layer is at or above
+    one of them runs from there (`passes.graph_cuts.suffix_to_logits`), since every layer below it computes what
+    the baseline's does."""
+
+    entries: dict[int, str]  # kept layer -> the name of the value entering its attention
+    states: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)  # layer -> window set -> [n, seq, d]
+
+    def start(self, rewritten: ir.Model, candidate: Candidate) -> int | None:
+        """The highest kept layer at or below the candidate's lowest changed layer whose entry the `rewritten`
+        graph still has, or None (run the whole model)."""
+        lowest = _lowest_changed(candidate)
+        if lowest is None or not self.states:
+            return None
+        names = {v.name for node in rewritten.graph for v in node.outputs}
+        return max((k for k in self.states if k <= lowest and self.entries[k] in names), default=None)
+
+
+def _prefix(model: ir.Model, candidates: list[Candidate], windows: int, seq: int) -> _Prefix:
+    """Which layers' entering states to keep for the rows: chosen greedily by the layer runs they save (a row runs
+    from the highest kept layer at or below its lowest changed one), as many as `PREFIX_BYTES` holds for
+    `windows` windows of `seq` tokens."""
+    entries = attention_entries(model)
+    values = {v.name: v for node in model.graph for v in node.outputs}
+    shapes = [values[name].shape for name in entries.values() if name in values and values[name].shape]
+    width = shapes[0][-1] if shapes and isinstance(shapes[0][-1], int) else None
+    lowest = [k for k in map(_lowest_changed, candidates) if k]
+    if width is None or not lowest:
+        return _Prefix({})
+    def saved(layers: list[int]) -> int:
+        return sum(max((k for k in layers if k <= low), default=0) for low in lowest)
+
+    kept: list[int] = []
+    for _ in range(PREFIX_BYTES // (windows * seq * width * 4)):
+        best = max(sorted(set(lowest) - set(kept)), key=lambda k: saved([*kept, k]), default=None)
+        if best is None or saved([*kept, best]) == saved(kept):
+            break
+        kept.append(best)
+    return _Prefix({k: entries[k] for k in kept if k in entries})
 
 
 @dataclass
@@ -340,14 +397,16 @@ def _finish(model: ir.Model, folder, out_dir: Path, force: bool, budget: str, co
         base_session = make_session(model, folder=folder.path, provider=search_args["provider"],
                                     threads=search_args["threads"])
     bar = tqdm(total=1 + len(candidates), desc="measuring rows", unit="row", disable=not progress, leave=False)
+    sets = held_out.sets(search)
+    prefix = _prefix(model, candidates, sum(len(w.ids) for w in sets.values()), search.ids.shape[1])
     base = _measured(model, folder.path, Candidate("baseline"), search, held_out, search_args, layers,
-                     session=base_session)
+                     session=base_session, prefix=prefix)
     bar.set_postfix(baseline=f"{base['eval_ppl']:.2f}")
     bar.update()
     table = []
     for candidate in candidates:
         table.append(_measured(model, folder.path, candidate, search, held_out, search_args, layers,
-                               speed=(base_session, *speed)))
+                               speed=(base_session, *speed), prefix=prefix))
         best = min(table, key=lambda row: row["eval_ppl"])
         bar.set_postfix(baseline=f"{base['eval_ppl']:.2f}", best_held_out=f"{best['eval_ppl']:.2f}")
         bar.update()
@@ -491,13 +550,16 @@ def _rewritten(model: ir.Model, candidate: Candidate) -> ir.Model:
 
 
 def _measured(model: ir.Model, folder: Path, candidate: Candidate, search: Windows, held_out: _HeldOut,
-              search_args: dict, layers: int, speed: tuple | None = None, session=None) -> dict:
+              search_args: dict, layers: int, speed: tuple | None = None, session=None,
+              prefix: _Prefix | None = None) -> dict:
     """One row of the comparison: the rewritten model's perplexity on the search and the held-out windows, its
     accuracy on the held-out items, the share of attention layers that keep a KV cache, and (with `speed` = (the
     baseline's session, tokens, runs > 0)) its prefill speedup measured against the baseline's, runs alternating.
 
     Perplexities come from a session whose graph takes the log-softmax itself (`with_token_logprobs`); accuracy and
-    timings from one of the rewritten graph as it is written (`session`, or one built after the first is freed)."""
+    timings from one of the rewritten graph as it is written (`session`, or one built after the first is freed).
+    With a `prefix`, the baseline (a candidate without moves) keeps the hidden states it names from its own runs,
+    and a row whose lowest changed layer is at or above a kept one runs from there on those states."""
     rewritten = _rewritten(model, candidate)
     session_args = {"provider": search_args["provider"], "threads": search_args["threads"]}
     batch = search_args["batch_size"]
@@ -509,13 +571,11 @@ def _measured(model: ir.Model, folder: Path, candidate: Candidate, search: Windo
            "replaced_into": run.start if run else None, "run_ridge": run.ridge if run else None,
            "moves": sorted(candidate.moves),
            "kv_kept": sum(r.kind == "attn" for r in annotated_regions(rewritten)) / layers}
-    scoring = make_session(with_token_logprobs(rewritten), folder=folder, **session_args)
-    row["search_ppl"] = perplexity(scoring, search.ids, batch_size=batch).perplexity
-    row["eval_ppl"] = perplexity(scoring, held_out.main.ids, batch_size=batch).perplexity
+    ppl = _perplexities(rewritten, folder, candidate, held_out.sets(search), prefix, session_args, batch)
+    row["search_ppl"], row["eval_ppl"] = ppl["search"], ppl["eval"]
     if held_out.others:
-        row["also_eval_ppl"] = {w.source["file"]: perplexity(scoring, w.ids, batch_size=batch).perplexity
-                                for w in held_out.others}
-    del scoring
+        row["also_eval_ppl"] = {w.source["file"]: ppl[key] for key, w in held_out.sets(search).items()
+                                if key.startswith("also")}
     timed = speed is not None and speed[2]
     if held_out.items is None and not timed:
         return row
@@ -528,6 +588,32 @@ def _measured(model: ir.Model, folder: Path, candidate: Candidate, search: Windo
         base_session, tokens, runs = speed
         row["speedup"] = paired_speedup(base_session, session, tokens, runs=runs)["speedup"]
     return row
+
+
+def _perplexities(rewritten: ir.Model, folder: Path, candidate: Candidate, sets: dict[str, Windows],
+                  prefix: _Prefix | None, session_args: dict, batch: int) -> dict[str, float]:
+    """The rewritten model's perplexity on each window set, from its lowest changed layer where `prefix` keeps the
+    baseline's state there (the baseline fills the prefix from these runs); the session is freed on return."""
+    start = prefix.start(rewritten, candidate) if prefix is not None else None
+    if start is not None:
+        graph = suffix_to_logits(rewritten, prefix.entries[start])
+        TokenLogprobsPass()(graph)
+        scoring = make_session(graph, folder=folder, **session_args)
+        return {key: perplexity(scoring, w.ids, batch_size=batch,
+                                feed_extra=lambda rows, key=key: {HIDDEN_INPUT: prefix.states[start][key][rows]}
+                                ).perplexity for key, w in sets.items()}
+    keep = prefix is not None and _lowest_changed(candidate) is None and bool(prefix.entries)
+    graph = with_token_logprobs(rewritten)
+    if keep:  # the baseline: its runs also return the states the rows will start from
+        graph = with_outputs(graph, [TOKEN_LOGPROBS, *prefix.entries.values()])
+    scoring = make_session(graph, folder=folder, **session_args)
+    found = {}
+    for key, w in sets.items():
+        capture = {name: [] for name in prefix.entries.values()} if keep else None
+        found[key] = perplexity(scoring, w.ids, batch_size=batch, capture=capture).perplexity
+        for layer, name in (prefix.entries.items() if keep else ()):
+            prefix.states.setdefault(layer, {})[key] = np.concatenate(capture[name])
+    return found
 
 
 def _accuracy_rows(folder: Path, eval_text: Path | None, items: int, calibration_sha256: str,

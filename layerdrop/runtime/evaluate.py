@@ -50,6 +50,7 @@ def perplexity(
     feed_extra: Callable[[slice], dict[str, np.ndarray]] | None = None,
     progress: bool = False,
     desc: str = "eval",
+    capture: dict[str, list[np.ndarray]] | None = None,
 ) -> Perplexity:
     """Perplexity of a causal-LM session over windows [n, seq] of real tokens: from the session's token
     log-probabilities where its graph has them (`passes.token_logprobs`, log-softmax in ONNX Runtime), else from
@@ -57,6 +58,8 @@ def perplexity(
 
     Args:
         feed_extra: rows -> extra inputs for the windows in `rows` (a cached hidden state, an alpha).
+        capture: output name -> a list; each batch's array of that output (a hidden state, say) is appended to it,
+            from the same runs.
     """
     total, count = 0.0, 0
     in_graph = any(o.name == TOKEN_LOGPROBS for o in session.get_outputs())
@@ -65,10 +68,11 @@ def perplexity(
         ids = windows[start : start + batch_size]
         extra = feed_extra(slice(start, start + len(ids))) if feed_extra else None
         feed = prefill_feed(session, ids, extra=extra)
-        if in_graph:
-            nll = -session.run([TOKEN_LOGPROBS], feed)[0].astype(np.float64)
-        else:
-            nll = token_nll(session.run(["logits"], feed)[0], ids)
+        kept = list(capture or {})
+        found = session.run([TOKEN_LOGPROBS if in_graph else "logits", *kept], feed)
+        for name, array in zip(kept, found[1:]):
+            capture[name].append(array)
+        nll = -found[0].astype(np.float64) if in_graph else token_nll(found[0], ids)
         total += float(nll.sum())
         count += nll.size
     return Perplexity(total / count, count)
