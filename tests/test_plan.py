@@ -546,3 +546,17 @@ def test_speedup_sizing_finds_the_fewest_modules(curve):
         assert len(meter.measured) <= 5
     with pytest.raises(LayerdropError, match=r"out of reach by removing attention alone.*all 29 give"):
         count_for_speedup(1 / (1 - saved(29)) + 0.5, Fixed(None, None, 64, None), scores, ("attn",))
+
+
+def test_under_a_speedup_budget_the_pick_must_reach_it_in_the_tables_timing():
+    """The pick is the lowest search perplexity among the rows whose measured speedup reaches the budget; where none
+    does, among all, with the reason."""
+    from layerdrop.api.plan import choose_pick
+
+    rows = [{"method": "fast, worse", "search_ppl": 30.8, "speedup": 1.34},
+            {"method": "best, just short", "search_ppl": 26.5, "speedup": 1.29},
+            {"method": "fastest, worst", "search_ppl": 80.0, "speedup": 1.37}]
+    assert choose_pick(rows, 1.333) == (rows[0], None)
+    assert choose_pick(rows, None) == (rows[1], None)  # no speedup budget: search perplexity alone
+    pick, short = choose_pick(rows, 1.5)
+    assert pick is rows[1] and "no row reached 1.5x" in short and "1.37x" in short

@@ -213,11 +213,12 @@ def plan(
     come from the search part of `calib` (disjoint from its calibration windows, on which means and fits are
     estimated), or from `search_text` (all of it, unless it is `calib`): every choice (alphas, layers, ridges, the
     pick) is made on them, so a search text of several kinds guards the choices against the calibration text's kind;
-    the pick is the row with the lowest search perplexity among those the allowed moves make, and every row is also
-    measured on `eval_text`, which no estimate or choice ever sees (its evaluation part, if it is `calib` itself),
-    and on each `also_eval` text (other kinds, say). With `accuracy_items` > 0 (and lm-eval installed), every row
-    also gets its accuracy on a multiple-choice task of that many items built from the held-out text
-    (`runtime.tasks`: a window's next tokens against three other windows' ones), run through lm-eval and the
+    the pick is the row with the lowest search perplexity among those the allowed moves make (under a speedup budget,
+    among those whose prefill speedup measured in the table reaches it, where any does: `choose_pick`), and every
+    row is also measured on `eval_text`, which no estimate or choice ever sees (its evaluation part, if it is
+    `calib` itself), and on each `also_eval` text (other kinds, say). With `accuracy_items` > 0 (and lm-eval
+    installed), every row also gets its accuracy on a multiple-choice task of that many items built from the held-out
+    text (`runtime.tasks`: a window's next tokens against three other windows' ones), run through lm-eval and the
     `layerdrop` lm-eval model, that accuracy as a percentage of the baseline's, and its difference from the
     baseline's in points with the standard error of that difference over the same items (item by item,
     `runtime.tasks.paired_difference`: how far the choice of items alone could move it). With `speedup_runs` > 0,
@@ -418,8 +419,11 @@ def _finish(model: ir.Model, folder, out_dir: Path, force: bool, budget: str, co
             row["accuracy_retained"] = 100.0 * row["accuracy"] / base["accuracy"] if base["accuracy"] else None
             difference, error = paired_difference(row["accuracy_correct"], base["accuracy_correct"])
             row["accuracy_difference"], row["accuracy_difference_se"] = 100.0 * difference, 100.0 * error
-    eligible = [row for row, c in zip(table, candidates) if c.moves <= allowed]
-    pick_row = min(eligible, key=lambda row: row["search_ppl"])
+    kind, value, _ = parse_budget(budget, layers)
+    pick_row, short = choose_pick([row for row, c in zip(table, candidates) if c.moves <= allowed],
+                                  value if kind == "speedup" and speed[1] else None)
+    if short:
+        skipped.append(_skip(short))
     pick = candidates[table.index(pick_row)]
     seconds = time.perf_counter() - started
     baseline = {key: base[key] for key in ("search_ppl", "eval_ppl", "also_eval_ppl", "accuracy", "accuracy_correct")
@@ -444,6 +448,20 @@ def _finish(model: ir.Model, folder, out_dir: Path, force: bool, budget: str, co
     chosen = run_passes(chosen, writes) if writes else chosen
     save_model(chosen, out_dir, folder, force=force)
     return result
+
+
+def choose_pick(rows: list[dict], speedup: float | None = None) -> tuple[dict, str | None]:
+    """The pick among the rows the allowed moves make: the lowest search perplexity; under a speedup budget
+    (`speedup`, with the table's timed column), among the rows whose speedup measured in the table reaches it,
+    since the sizing's shorter measurement can land a row just under it. Returns the row, and where no row reaches
+    the budget (the pick is then made among all), why."""
+    reaching = [row for row in rows if speedup is None or row["speedup"] >= speedup]
+    if reaching:
+        return min(reaching, key=lambda row: row["search_ppl"]), None
+    best = max(row["speedup"] for row in rows)
+    return (min(rows, key=lambda row: row["search_ppl"]),
+            f"no row reached {speedup:g}x in the table's own timing (the fastest: {best:.2f}x); the pick is the "
+            "lowest search perplexity of all: raise the budget a little, or time more runs (--speedup-runs)")
 
 
 def _plan_windows(folder: Path, calib: Path | None, eval_text: Path | None, search_text: Path | None,
