@@ -589,11 +589,11 @@ def _measured(model: ir.Model, folder: Path, candidate: Candidate, search: Windo
            "replaced_into": run.start if run else None, "run_ridge": run.ridge if run else None,
            "moves": sorted(candidate.moves),
            "kv_kept": sum(r.kind == "attn" for r in annotated_regions(rewritten)) / layers}
-    ppl = _perplexities(rewritten, folder, candidate, held_out.sets(search), prefix, session_args, batch)
+    sets = held_out.sets(search)
+    ppl = _perplexities(rewritten, folder, candidate, sets, prefix, session_args, batch)
     row["search_ppl"], row["eval_ppl"] = ppl["search"], ppl["eval"]
     if held_out.others:
-        row["also_eval_ppl"] = {w.source["file"]: ppl[key] for key, w in held_out.sets(search).items()
-                                if key.startswith("also")}
+        row["also_eval_ppl"] = {w.source["file"]: ppl[key] for key, w in sets.items() if key.startswith("also")}
     timed = speed is not None and speed[2]
     if held_out.items is None and not timed:
         return row
