@@ -391,7 +391,7 @@ def _fixed_speedups(monkeypatch, measured: list) -> None:
     prefill; every structure asked for is appended to `measured` as (blocks, attention layers)."""
     from layerdrop.search.selection import PrefillMeter
 
-    def speedup(meter, blocks=(), attention=()):
+    def speedup(meter, blocks=(), attention=(), runs=None):
         blocks, attention = sorted(blocks), sorted(set(attention) - set(blocks))
         measured.append((blocks, attention))
         return 100.0 / (100.0 - 15.0 * len(blocks) - 10.0 * len(attention))
@@ -459,6 +459,68 @@ def test_the_prefill_meter_times_what_the_moves_leave(exported):
         assert meter.speedup([1], [3]) > 0 and list(meter.measured) == [(frozenset({1}), frozenset({3}))]
 
 
+def test_graphs_of_one_structure_share_one_pooled_timing(exported, monkeypatch):
+    """The same ops on the same weight shapes are one structure, whichever layers moved and whatever the weights (a
+    fitted map in layer 1 or 3; a fitted run folded into a down-projection, or the same number of blocks dropped);
+    the meter times a structure once, tops it up when asked for more runs, and its figure is the ratio of the
+    medians of all its runs."""
+    import statistics
+
+    from layerdrop.api.common import open_model
+    from layerdrop.runtime import bench
+    from layerdrop.runtime.session import make_session
+    from layerdrop.search.blocks import with_replaced_run
+    from layerdrop.search.selection import PrefillMeter, structure_key
+
+    folder, model = open_model(exported("llama", True))
+    meter = PrefillMeter(model, folder.path, 32, make_session(model, folder=folder.path), runs=2)
+    rng = np.random.default_rng(0)
+    one, three = meter.structure([], [1]), meter.structure([], [3])
+    assert structure_key(one) == structure_key(three) != structure_key(meter.structure([], [1, 3]))
+    dropped = PrefillMeter(model, folder.path, 32, None, maps=False).structure([], [1])
+    assert structure_key(one) != structure_key(dropped)
+    folded = with_replaced_run(model, 0, 1, rng.normal(size=(32, 32)).astype(np.float32))
+    assert structure_key(folded) == structure_key(meter.structure([1], []))
+    assert structure_key(folded) != structure_key(meter.structure([2, 3], []))
+    calls = []
+    real = bench.paired_speedup
+
+    def counted(base, other, seq, *, runs=5, warmup=1):
+        calls.append(runs)
+        return real(base, other, seq, runs=runs, warmup=warmup)
+
+    monkeypatch.setattr(bench, "paired_speedup", counted)
+    first = meter.speedup([], [1])
+    assert calls == [2] and meter.timed(three, 2) == (first, 2, structure_key(one)) and calls == [2]
+    speedup, runs, key = meter.timed(three, 5)
+    assert calls == [2, 3] and runs == 5
+    base_ms, ms = meter.timings[key]
+    assert len(base_ms) == len(ms) == 5 and speedup == statistics.median(base_ms) / statistics.median(ms)
+
+
+def test_the_sizing_confirms_its_count_with_the_tables_runs():
+    """A count that reaches the budget on the sizing's few runs but falls short on the table's is not taken: the
+    search goes on to the next count that holds on the confirming runs."""
+    from layerdrop.search.selection import PrefillMeter, count_for_speedup
+
+    scores = {layer: float(layer) for layer in range(10)}
+    asked = []
+
+    class Noisy(PrefillMeter):
+        def speedup(self, blocks=(), attention=(), runs=None):
+            count, runs = len(attention), runs or self.runs
+            asked.append((count, runs))
+            saved = 0.03 * count + (0.02 if count == 4 and runs < 5 else 0.0)  # 4 looks faster on 3 runs
+            self.measured[(frozenset(blocks), frozenset(attention))] = 1 / (1 - saved)
+            return 1 / (1 - saved)
+
+    value = 1 / (1 - 0.13)  # 5 layers save 0.15; 4 save 0.12 (0.14 on 3 runs)
+    assert count_for_speedup(value, Noisy(None, None, 64, None, runs=3, confirm_runs=5), scores, ("attn",)) == 5
+    assert (4, 5) in asked and asked[-1] == (5, 5)
+    asked.clear()
+    assert count_for_speedup(value, Noisy(None, None, 64, None, runs=3), scores, ("attn",)) == 4  # no confirming
+
+
 def test_a_speedup_budget_mixes_a_fitted_run_with_fitted_attention(exported, tmp_path, monkeypatch, capsys):
     """`--budget speedup=X --moves blocks,fit`: besides the attention rows and the block rows, a row with
     ReplaceMe's run of fewer blocks and the lowest-scored attention layers outside it fitted on the model with the
@@ -497,7 +559,14 @@ def test_a_speedup_budget_mixes_a_fitted_run_with_fitted_attention(exported, tmp
                              calibration_sha256=windows.source["sha256"]).ids
     assert mixed["search_ppl"] == pytest.approx(torch_perplexity(reference, search), rel=1e-4)
     for row in result["methods"]:
-        assert row["speedup"] > 0 and 0 <= row["kv_kept"] < 1
+        assert row["speedup"] > 0 and 0 <= row["kv_kept"] < 1 and row["speedup_runs"] >= 2
+    structures = {}  # rows of one structure share one timing: the two fits of 3 layers, the two drops of 3
+    for row in result["methods"]:
+        structures.setdefault(row["structure"], set()).add(row["speedup"])
+    assert all(len(figures) == 1 for figures in structures.values())
+    assert rows["attention fit on the lowest-scored layers"]["structure"] == rows["planner: fitted maps on the "
+                                                                                  "layers it chose"]["structure"]
+    assert len(structures) < len(result["methods"])
     table = plan_table(result)
     assert "prefill speedup at 32 tokens" in table
     assert f"| {lowest}:fit; blocks {start + 1}-{start + 1} into {start} |" in table
@@ -534,7 +603,7 @@ def test_speedup_sizing_finds_the_fewest_modules(curve):
              "steps": lambda n: float(steps[:n].sum())}[curve]
 
     class Fixed(PrefillMeter):
-        def speedup(self, blocks=(), attention=()):
+        def speedup(self, blocks=(), attention=(), runs=None):
             assert not blocks and list(attention) == order[:len(attention)]  # the lowest-scored first
             self.measured[(frozenset(blocks), frozenset(attention))] = 1 / (1 - saved(len(attention)))
             return 1 / (1 - saved(len(attention)))

@@ -33,7 +33,6 @@ from layerdrop.passes.find_residuals import annotated_regions
 from layerdrop.passes.graph_cuts import HIDDEN_INPUT, suffix_to_logits, with_outputs
 from layerdrop.passes.metadata import removed_modules, write_json
 from layerdrop.passes.token_logprobs import TokenLogprobsPass, with_token_logprobs
-from layerdrop.runtime.bench import paired_speedup
 from layerdrop.runtime.evaluate import perplexity
 from layerdrop.runtime.generate import sample_windows
 from layerdrop.runtime.session import make_session
@@ -223,7 +222,10 @@ def plan(
     baseline's in points with the standard error of that difference over the same items (item by item,
     `runtime.tasks.paired_difference`: how far the choice of items alone could move it). With `speedup_runs` > 0,
     every row's prefill at `speedup_tokens` (default: a speedup budget's T, 1024 if it names none, else `seq_len`)
-    is timed against the baseline's, runs alternating, and the ratio of the medians is its measured speedup.
+    is timed against the baseline's, runs alternating, and the ratio of the medians is its measured speedup; rows
+    whose graphs have the same structure (the same ops on the same weight shapes: `search.selection.structure_key`)
+    share one timing, which also holds the sizing's runs of that structure (the count the sizing settles on is
+    confirmed with `speedup_runs` runs), so every row of a structure has one figure, from `speedup_runs` runs or more.
     With `self_samples` > 0, that many windows the model writes itself (`runtime.generate.sample_windows`: from a
     random first token, temperature 1, seeded by `sampling.seed`) join the calibration windows of every fit (the
     attention maps and ReplaceMe's transforms; not the means, the scores or the search): a prior toward the model's
@@ -287,6 +289,7 @@ def plan(
               f"{value:g}x")
         base_session = make_session(model, folder=folder.path, **session_args)
         meter = PrefillMeter(model, folder.path, tokens, base_session, min(speedup_runs or SIZING_RUNS, SIZING_RUNS),
+                             confirm_runs=speedup_runs,
                              maps=bool(allowed & {"fit", "bypass"}), **session_args,
                              bar=tqdm(desc="sizing rows by measured prefill", unit="graph", disable=not progress,
                                       leave=False))
@@ -355,7 +358,7 @@ def plan(
                    search, held_out, started, base_session, search_args,
                    fit_windows if "fit" in allowed or block_count else None,
                    planned.log if planned is not None else [], (quantize, keep_float), skipped,
-                   (speed_seq, speedup_runs), progress)
+                   (speed_seq, speedup_runs, meter), progress)
 
 
 def _counts(kind: str, value: float, meter: PrefillMeter | None, scores: dict[int, float],
@@ -391,12 +394,18 @@ def _counts(kind: str, value: float, meter: PrefillMeter | None, scores: dict[in
 def _finish(model: ir.Model, folder, out_dir: Path, force: bool, budget: str, counts: tuple, layers: int,
             candidates: list[Candidate], allowed: frozenset, search: Windows, held_out: _HeldOut, started: float,
             base_session, search_args: dict, fit_windows: Windows | None, log: list[dict], output: tuple,
-            skipped: list[str], speed: tuple[int, int], progress: bool) -> dict:
+            skipped: list[str], speed: tuple, progress: bool) -> dict:
     """Measure every candidate (a progress bar with the baseline's and the best held-out perplexity so far), pick
-    the best allowed one on the search windows, write it; the plan's report."""
+    the best allowed one on the search windows, write it; the plan's report. `speed`: (tokens, runs, the sizing's
+    meter or None): rows are timed at `tokens` through the sizing's meter where it timed the same length, so the
+    structures it measured keep their runs."""
     if base_session is None:
         base_session = make_session(model, folder=folder.path, provider=search_args["provider"],
                                     threads=search_args["threads"])
+    tokens, runs, meter = speed
+    if runs and (meter is None or meter.seq != tokens):
+        meter = PrefillMeter(model, folder.path, tokens, base_session, runs, provider=search_args["provider"],
+                             threads=search_args["threads"])
     bar = tqdm(total=1 + len(candidates), desc="measuring rows", unit="row", disable=not progress, leave=False)
     sets = held_out.sets(search)
     prefix = _prefix(model, candidates, sum(len(w.ids) for w in sets.values()), search.ids.shape[1])
@@ -407,11 +416,14 @@ def _finish(model: ir.Model, folder, out_dir: Path, force: bool, budget: str, co
     table = []
     for candidate in candidates:
         table.append(_measured(model, folder.path, candidate, search, held_out, search_args, layers,
-                               speed=(base_session, *speed), prefix=prefix))
+                               speed=(meter, runs) if runs else None, prefix=prefix))
         best = min(table, key=lambda row: row["eval_ppl"])
         bar.set_postfix(baseline=f"{base['eval_ppl']:.2f}", best_held_out=f"{best['eval_ppl']:.2f}")
         bar.update()
     bar.close()
+    for row in table:  # the figure of each structure from all its runs (a later row of it may have added some)
+        if "structure" in row:
+            row["speedup"], row["speedup_runs"] = meter.pooled(row["structure"])
     if held_out.items is not None:
         from layerdrop.runtime.tasks import paired_difference
 
@@ -421,7 +433,7 @@ def _finish(model: ir.Model, folder, out_dir: Path, force: bool, budget: str, co
             row["accuracy_difference"], row["accuracy_difference_se"] = 100.0 * difference, 100.0 * error
     kind, value, _ = parse_budget(budget, layers)
     pick_row, short = choose_pick([row for row, c in zip(table, candidates) if c.moves <= allowed],
-                                  value if kind == "speedup" and speed[1] else None)
+                                  value if kind == "speedup" and runs else None)
     if short:
         skipped.append(_skip(short))
     pick = candidates[table.index(pick_row)]
@@ -434,7 +446,7 @@ def _finish(model: ir.Model, folder, out_dir: Path, force: bool, budget: str, co
               "block_count": block_count,
               "kv_fraction_kept": (layers - count) / layers if count is not None else pick_row["kv_kept"],
               "moves": sorted(allowed), "baseline": baseline,
-              "speedup_tokens": speed[0] if speed[1] else None,
+              "speedup_tokens": tokens if runs else None,
               "methods": table, "pick": pick_row, "search_seconds": seconds, "search_text": search.source,
               "eval_text": held_out.main.source, "also_eval_texts": [w.source for w in held_out.others],
               "accuracy_items": len(held_out.items) if held_out.items is not None else 0,
@@ -571,8 +583,10 @@ def _measured(model: ir.Model, folder: Path, candidate: Candidate, search: Windo
               search_args: dict, layers: int, speed: tuple | None = None, session=None,
               prefix: _Prefix | None = None) -> dict:
     """One row of the comparison: the rewritten model's perplexity on the search and the held-out windows, its
-    accuracy on the held-out items, the share of attention layers that keep a KV cache, and (with `speed` = (the
-    baseline's session, tokens, runs > 0)) its prefill speedup measured against the baseline's, runs alternating.
+    accuracy on the held-out items, the share of attention layers that keep a KV cache, and (with `speed` = (a
+    `PrefillMeter`, runs)) its prefill speedup measured against the baseline's, runs alternating, pooled with the
+    runs of any graph of the same structure timed before (`search.selection.structure_key`): `speedup_runs` runs
+    behind it, `structure` the key.
 
     Perplexities come from a session whose graph takes the log-softmax itself (`with_token_logprobs`); accuracy and
     timings from one of the rewritten graph as it is written (`session`, or one built after the first is freed).
@@ -594,17 +608,17 @@ def _measured(model: ir.Model, folder: Path, candidate: Candidate, search: Windo
     row["search_ppl"], row["eval_ppl"] = ppl["search"], ppl["eval"]
     if held_out.others:
         row["also_eval_ppl"] = {w.source["file"]: ppl[key] for key, w in sets.items() if key.startswith("also")}
-    timed = speed is not None and speed[2]
+    timed = speed is not None
     if held_out.items is None and not timed:
         return row
-    if session is None:
-        session = make_session(rewritten, folder=folder, **session_args)
     if held_out.items is not None:
+        if session is None:
+            session = make_session(rewritten, folder=folder, **session_args)
         scores = _accuracy(rewritten, session, folder, held_out.items, search_args)
         row["accuracy"], row["accuracy_correct"] = scores.accuracy, [int(c) for c in scores.correct]
     if timed:
-        base_session, tokens, runs = speed
-        row["speedup"] = paired_speedup(base_session, session, tokens, runs=runs)["speedup"]
+        meter, runs = speed
+        row["speedup"], row["speedup_runs"], row["structure"] = meter.timed(rewritten, runs, session)
     return row
 
 

@@ -77,11 +77,13 @@ def prefill_latency(folders: list[Path], seq: int, *, batch: int = 1, runs: int 
 def paired_speedup(base: ort.InferenceSession, other: ort.InferenceSession, seq: int, *, runs: int = 5,
                    warmup: int = 1) -> dict:
     """`other`'s measured prefill speedup over `base` at `seq` tokens: the ratio of their median latencies, runs
-    alternating base, other after warm-up (as `prefill_latency`), on the same random ids."""
+    alternating base, other after warm-up (as `prefill_latency`), on the same random ids; with each run's time
+    (`base_runs_ms`, `runs_ms`), to pool with other measurements of the same pair."""
     ids = _ids(seq, 1, base)
     times = _interleaved([_runner(s, prefill_feed(s, ids)) for s in (base, other)], runs, warmup)
     base_ms, other_ms = (statistics.median(t) for t in times)
-    return {"seq": seq, "base_ms": base_ms, "ms": other_ms, "speedup": base_ms / other_ms}
+    return {"seq": seq, "base_ms": base_ms, "ms": other_ms, "speedup": base_ms / other_ms,
+            "base_runs_ms": times[0], "runs_ms": times[1]}
 
 
 def decode_tokens_per_second(folders: list[Path], *, prompt_len: int = 64, new_tokens: int = 32, rounds: int = 3,

@@ -3,7 +3,9 @@ turned into a count of attention layers."""
 
 from __future__ import annotations
 
+import hashlib
 import math
+import statistics
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -112,15 +114,33 @@ def attention_count_for(kind: str, value: float, meter: PrefillMeter | None, sco
     return count_for_speedup(value, meter, scores, ("attn",))
 
 
+def structure_key(model: ir.Model) -> str:
+    """What a graph's prefill costs depends on: its nodes' op types and the shapes and types of their constant
+    inputs (the weights), as a multiset. Two graphs with the same key do the same work, whatever the values of the
+    weights and whichever layers were moved (a fitted map in layer 5 or in layer 25; a fitted run folded into a
+    down-projection or the same blocks dropped), so they share one timing."""
+    counts: dict[tuple, int] = {}
+    for node in model.graph.all_nodes():
+        inputs = tuple("" if v is None else "-" if v.const_value is None and not v.is_initializer()
+                       else f"{v.dtype}{v.shape}" for v in node.inputs)
+        key = (node.domain, node.op_type, inputs)
+        counts[key] = counts.get(key, 0) + 1
+    return hashlib.sha256(repr(sorted(counts.items())).encode()).hexdigest()[:16]
+
+
 @dataclass
 class PrefillMeter:
-    """Measured prefill speedups at `seq` tokens of structure-only rewrites of `model`, each against the unpruned
-    model's session `base`, runs alternating (`runtime.bench.paired_speedup`, median of `runs`): what removing whole
-    blocks and replacing attention layers saves on this machine. An attention layer becomes what the allowed moves
-    leave of it: a d x d map (`maps`: a fitted map's MatMul and Add, the cost of a folded V·O bypass too; its
-    values do not matter, so zeros) or nothing (a drop). ReplaceMe's transform is folded into a kept block's MLP, so
-    a fitted run costs what dropping its blocks does. Each structure is measured once; `bar` (a tqdm bar) counts
-    the measurements."""
+    """Measured prefill speedups at `seq` tokens against the unpruned model's session `base`, runs alternating
+    (`runtime.bench.paired_speedup`; the ratio of the medians): what removing whole blocks and replacing attention
+    layers saves on this machine. Runs are pooled by graph structure (`structure_key`): each structure is timed
+    once, and asking for it again with more runs only adds the missing ones, so the plan's table reuses, and tops
+    up, what the sizing measured, and rows of the same structure get one figure.
+
+    For sizing (`speedup`), an attention layer becomes what the allowed moves leave of it: a d x d map (`maps`: a
+    fitted map's MatMul and Add, the cost of a folded V·O bypass too; its values do not matter, so zeros) or nothing
+    (a drop). ReplaceMe's transform is folded into a kept block's MLP, so a fitted run costs what dropping its
+    blocks does. `runs` runs a structure the sizing measures, `confirm_runs` (if more) the count it settles on;
+    `bar` (a tqdm bar) counts the measurements."""
 
     model: ir.Model
     folder: Path
@@ -131,23 +151,53 @@ class PrefillMeter:
     provider: str = "cpu"
     threads: int | None = None
     bar: Any = None
-    measured: dict = field(default_factory=dict)
+    confirm_runs: int = 0
+    measured: dict = field(default_factory=dict)  # (blocks, attention) -> speedup, of the sizing's structures
+    keys: dict = field(default_factory=dict)  # (blocks, attention) -> structure key
+    timings: dict = field(default_factory=dict)  # structure key -> (the baseline's run times, the structure's), ms
 
-    def speedup(self, blocks: Iterable[int] = (), attention: Iterable[int] = ()) -> float:
-        """The measured prefill speedup with these blocks removed and these attention layers replaced."""
+    def speedup(self, blocks: Iterable[int] = (), attention: Iterable[int] = (), runs: int | None = None) -> float:
+        """The measured prefill speedup with these blocks removed and these attention layers replaced, from at least
+        `runs` (default `self.runs`) timed runs."""
         key = (frozenset(blocks), frozenset(attention))
-        if key not in self.measured:
-            from layerdrop.runtime.bench import paired_speedup
-            from layerdrop.runtime.session import make_session
-
-            session = make_session(self.structure(*key), folder=self.folder, provider=self.provider,
-                                   threads=self.threads)
-            self.measured[key] = paired_speedup(self.base, session, self.seq, runs=self.runs)["speedup"]
-            if self.bar is not None:
-                self.bar.set_postfix(blocks=len(key[0]), attention=len(key[1]),
-                                     speedup=f"{self.measured[key]:.3f}x")
-                self.bar.update()
+        graph = None
+        if key not in self.keys:
+            graph = self.structure(*key)
+            self.keys[key] = structure_key(graph)
+        done = len(self.timings.get(self.keys[key], ((), ()))[1])
+        self.measured[key] = self._timed(self.keys[key], runs or self.runs,
+                                         lambda: self._session(graph if graph is not None else self.structure(*key)))
+        if self.bar is not None and len(self.timings[self.keys[key]][1]) > done:
+            self.bar.set_postfix(blocks=len(key[0]), attention=len(key[1]), speedup=f"{self.measured[key]:.3f}x")
+            self.bar.update()
         return self.measured[key]
+
+    def timed(self, graph: ir.Model, runs: int, session=None) -> tuple[float, int, str]:
+        """`graph`'s measured prefill speedup from at least `runs` timed runs of its structure (`session`: one of
+        `graph`, if there is one). Returns (the speedup, the runs behind it, the structure key)."""
+        key = structure_key(graph)
+        speedup = self._timed(key, runs, lambda: session if session is not None else self._session(graph))
+        return speedup, len(self.timings[key][1]), key
+
+    def pooled(self, key: str) -> tuple[float, int]:
+        """The speedup of a measured structure from all its runs so far, and their number."""
+        base_ms, ms = self.timings[key]
+        return statistics.median(base_ms) / statistics.median(ms), len(ms)
+
+    def _timed(self, key: str, runs: int, session) -> float:
+        base_ms, ms = self.timings.setdefault(key, ([], []))
+        if len(ms) < runs:
+            from layerdrop.runtime.bench import paired_speedup
+
+            found = paired_speedup(self.base, session(), self.seq, runs=runs - len(ms))
+            base_ms += found["base_runs_ms"]
+            ms += found["runs_ms"]
+        return self.pooled(key)[0]
+
+    def _session(self, graph: ir.Model):
+        from layerdrop.runtime.session import make_session
+
+        return make_session(graph, folder=self.folder, provider=self.provider, threads=self.threads)
 
     def savings(self) -> tuple[float, float]:
         """The share of prefill time one block's removal and one attention layer's replacement save, by least
@@ -190,7 +240,9 @@ def count_for_speedup(value: float, meter: PrefillMeter, scores: dict[int, float
     on that line: a first guess from the per-module savings measured so far (`meter.savings`; half the modules
     when there are none), then guesses interpolated inside the bracket of a count that falls short and one that
     reaches, until they are neighbours. A few measurements, each a rewrite and `meter.runs` prefills of it and of
-    the original, alternating.
+    the original, alternating. The count that reaches is then confirmed with more runs (`meter.confirm_runs` in
+    all, the plan's table's; pooled with the first ones): a count that falls short on them is not taken, the search
+    goes on above it. So a row sized in reaches the budget in the table's own timing, which reuses these runs.
 
     Raises:
         LayerdropError: even every module but one does not reach it.
@@ -203,9 +255,9 @@ def count_for_speedup(value: float, meter: PrefillMeter, scores: dict[int, float
     rate = per_block if blocks else per_layer
     saved = {0: per_block * len(gone)}  # count -> measured saved share (estimated at 0)
 
-    def measure(count: int) -> float:
+    def measure(count: int, runs: int | None = None) -> float:
         chosen = allowed[:count]
-        speedup = meter.speedup(gone + chosen, []) if blocks else meter.speedup(gone, chosen)
+        speedup = meter.speedup(gone + chosen, [], runs) if blocks else meter.speedup(gone, chosen, runs)
         return 1 - 1 / speedup
 
     low, high = 0, None  # saved[low] < target <= saved[high]
@@ -214,8 +266,11 @@ def count_for_speedup(value: float, meter: PrefillMeter, scores: dict[int, float
         probe = min(max(guess, low + 1), len(allowed) if high is None else high - 1)
         saved[probe] = measure(probe)
         low, high = (low, probe) if saved[probe] >= target else (probe, high)
-        if high is not None and high - low == 1:
-            return high
+        if high is not None and high - low == 1:  # settled: confirmed by more runs, or on to larger counts
+            saved[high] = measure(high, max(meter.runs, meter.confirm_runs))
+            if saved[high] >= target:
+                return high
+            low, high = high, None
         if high is None and low == len(allowed):
             what = "whole blocks (one must stay)" if blocks else "attention alone (one layer must keep its cache)"
             raise LayerdropError(f"--budget speedup={value:g} is out of reach by removing {what}: all "
