@@ -563,6 +563,9 @@ def test_a_speedup_budget_mixes_a_fitted_run_with_fitted_attention(exported, tmp
     structures = {}  # rows of one structure share one timing: the two fits of 3 layers, the two drops of 3
     for row in result["methods"]:
         structures.setdefault(row["structure"], set()).add(row["speedup"])
+        runs = result["timings"][row["structure"]]  # every run behind the figure is in the report
+        assert len(runs["ms"]) == len(runs["base_ms"]) == row["speedup_runs"]
+        assert row["speedup"] == pytest.approx(float(np.median(runs["base_ms"]) / np.median(runs["ms"])))
     assert all(len(figures) == 1 for figures in structures.values())
     assert rows["attention fit on the lowest-scored layers"]["structure"] == rows["planner: fitted maps on the "
                                                                                   "layers it chose"]["structure"]

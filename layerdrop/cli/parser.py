@@ -241,7 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speedup-tokens", type=parse_count, help="prefill length of the measured speedup column "
                    "(default: a speedup budget's, else --seq-len)")
     p.add_argument("--speedup-runs", type=parse_runs, default=5, help="timed prefill runs per row for that column, "
-                   "alternating with the baseline's (0: no column)")
+                   "alternating with the baseline's; rows with the same ops on the same weight shapes share their "
+                   "runs, and a speedup budget's sizing confirms its counts with this many (0: no column)")
     p.add_argument("--fit-samples", type=parse_count, default=64, help="calibration windows the fits are estimated on")
     p.add_argument("--self-samples", type=parse_self_samples, default=0,
                    help="windows the model writes itself (random first token, temperature 1) added to the fits' "

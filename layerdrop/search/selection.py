@@ -184,6 +184,14 @@ class PrefillMeter:
         base_ms, ms = self.timings[key]
         return statistics.median(base_ms) / statistics.median(ms), len(ms)
 
+    def record(self) -> dict:
+        """For a report: every timed run by structure, in order, and the structures the sizing measured."""
+        return {"timings": {key: {"base_ms": base, "ms": ms} for key, (base, ms) in self.timings.items()},
+                "sizing": [{"blocks": sorted(blocks), "attention": sorted(attention), "speedup": speedup,
+                            "structure": self.keys[blocks, attention]}
+                           for (blocks, attention), speedup in self.measured.items()
+                           if (blocks, attention) in self.keys]}
+
     def _timed(self, key: str, runs: int, session) -> float:
         base_ms, ms = self.timings.setdefault(key, ([], []))
         if len(ms) < runs:
