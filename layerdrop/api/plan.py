@@ -424,9 +424,6 @@ def _finish(model: ir.Model, folder, out_dir: Path, force: bool, budget: str, co
         bar.set_postfix(baseline=f"{base['eval_ppl']:.2f}", best_held_out=f"{best['eval_ppl']:.2f}")
         bar.update()
     bar.close()
-    for row in table:  # the figure of each structure from all its runs (a later row of it may have added some)
-        if "structure" in row:
-            row["speedup"], row["speedup_runs"] = meter.pooled(row["structure"])
     if held_out.items is not None:
         from layerdrop.runtime.tasks import paired_difference
 

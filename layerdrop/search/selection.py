@@ -164,10 +164,14 @@ class PrefillMeter:
         if key not in self.keys:
             graph = self.structure(*key)
             self.keys[key] = structure_key(graph)
-        done = len(self.timings.get(self.keys[key], ((), ()))[1])
-        self.measured[key] = self._timed(self.keys[key], runs or self.runs,
-                                         lambda: self._session(graph if graph is not None else self.structure(*key)))
-        if self.bar is not None and len(self.timings[self.keys[key]][1]) > done:
+        timed = []  # a session was built: new runs were timed
+
+        def session():
+            timed.append(True)
+            return self._session(graph if graph is not None else self.structure(*key))
+
+        self.measured[key] = self._timed(self.keys[key], runs or self.runs, session)
+        if self.bar is not None and timed:
             self.bar.set_postfix(blocks=len(key[0]), attention=len(key[1]), speedup=f"{self.measured[key]:.3f}x")
             self.bar.update()
         return self.measured[key]
