@@ -482,12 +482,13 @@ def test_graphs_of_one_structure_share_one_pooled_timing(exported, monkeypatch):
     folded = with_replaced_run(model, 0, 1, rng.normal(size=(32, 32)).astype(np.float32))
     assert structure_key(folded) == structure_key(meter.structure([1], []))
     assert structure_key(folded) != structure_key(meter.structure([2, 3], []))
-    calls = []
+    calls, warm = [], []
     real = bench.paired_speedup
 
-    def counted(base, other, seq, *, runs=5, warmup=1):
+    def counted(base, other, seq, *, runs=5, warmup=2, base_warmup=None):
         calls.append(runs)
-        return real(base, other, seq, runs=runs, warmup=warmup)
+        warm.append(base_warmup)
+        return real(base, other, seq, runs=runs, warmup=warmup, base_warmup=base_warmup)
 
     monkeypatch.setattr(bench, "paired_speedup", counted)
     first = meter.speedup([], [1])
@@ -496,6 +497,22 @@ def test_graphs_of_one_structure_share_one_pooled_timing(exported, monkeypatch):
     assert calls == [2, 3] and runs == 5
     base_ms, ms = meter.timings[key]
     assert len(base_ms) == len(ms) == 5 and speedup == statistics.median(base_ms) / statistics.median(ms)
+    assert warm == [2, 1]  # the base is warmed twice on its first use, once after
+
+
+def test_interleaved_runs_warm_each_runner_its_own_count_then_alternate():
+    """`_interleaved` runs each runner its own number of untimed warm-ups (a fresh session two, a warm base one),
+    then alternates them, timing each run."""
+    from layerdrop.runtime.bench import _interleaved
+
+    order = []
+    runners = [lambda: order.append("base"), lambda: order.append("new")]
+    times = _interleaved(runners, 3, [1, 2])
+    assert order == ["base", "new", "new"] + ["base", "new"] * 3
+    assert [len(t) for t in times] == [3, 3] and all(ms >= 0 for t in times for ms in t)
+    order.clear()
+    _interleaved(runners, 1, 2)
+    assert order == ["base", "new", "base", "new", "base", "new"]
 
 
 def test_the_sizing_confirms_its_count_with_the_tables_runs():

@@ -52,11 +52,18 @@ def _runner(session: ort.InferenceSession, feed: dict[str, np.ndarray]):
     return run
 
 
-def _interleaved(runners: list, runs: int, warmup: int) -> list[list[float]]:
-    """Each runner's times (ms) over `runs` rounds that run them in turn, after `warmup` such rounds."""
-    for _ in range(warmup):
-        for run in runners:
-            run()
+def _interleaved(runners: list, runs: int, warmup: int | list[int]) -> list[list[float]]:
+    """Each runner's times (ms) over `runs` rounds that run them in turn, after `warmup` untimed runs of each (one
+    count for all, or one per runner).
+
+    A newly built session's first timed run after a single warm-up was still 15-20% slow on this machine (SmolLM2 at
+    1024 tokens, 2 cores: 2434 ms against about 2130 after it, 2199 against about 1840); after two it is not."""
+    counts = warmup if isinstance(warmup, list) else [warmup] * len(runners)
+    for _ in range(max(counts, default=0)):
+        for run, count in zip(runners, counts):
+            if count > 0:
+                run()
+        counts = [count - 1 for count in counts]
     times: list[list[float]] = [[] for _ in runners]
     for _ in range(runs):
         for i, run in enumerate(runners):
@@ -66,7 +73,7 @@ def _interleaved(runners: list, runs: int, warmup: int) -> list[list[float]]:
     return times
 
 
-def prefill_latency(folders: list[Path], seq: int, *, batch: int = 1, runs: int = 5, warmup: int = 1,
+def prefill_latency(folders: list[Path], seq: int, *, batch: int = 1, runs: int = 5, warmup: int = 2,
                     provider: str = "cpu", threads: int | None = None) -> list[dict]:
     """Median and p90 prefill latency (ms) of each model at `seq` tokens, runs interleaved across models."""
     sessions = [make_session(Path(f) / "model.onnx", provider=provider, threads=threads) for f in folders]
@@ -75,12 +82,14 @@ def prefill_latency(folders: list[Path], seq: int, *, batch: int = 1, runs: int 
 
 
 def paired_speedup(base: ort.InferenceSession, other: ort.InferenceSession, seq: int, *, runs: int = 5,
-                   warmup: int = 1) -> dict:
+                   warmup: int = 2, base_warmup: int | None = None) -> dict:
     """`other`'s measured prefill speedup over `base` at `seq` tokens: the ratio of their median latencies, runs
-    alternating base, other after warm-up (as `prefill_latency`), on the same random ids; with each run's time
-    (`base_runs_ms`, `runs_ms`), to pool with other measurements of the same pair."""
+    alternating base, other after `warmup` untimed runs of each (`base_warmup` of the base, if given: fewer for a
+    base already run), on the same random ids; with each run's time (`base_runs_ms`, `runs_ms`), to pool with
+    other measurements of the same pair."""
     ids = _ids(seq, 1, base)
-    times = _interleaved([_runner(s, prefill_feed(s, ids)) for s in (base, other)], runs, warmup)
+    counts = [warmup if base_warmup is None else base_warmup, warmup]
+    times = _interleaved([_runner(s, prefill_feed(s, ids)) for s in (base, other)], runs, counts)
     base_ms, other_ms = (statistics.median(t) for t in times)
     return {"seq": seq, "base_ms": base_ms, "ms": other_ms, "speedup": base_ms / other_ms,
             "base_runs_ms": times[0], "runs_ms": times[1]}

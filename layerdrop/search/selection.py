@@ -201,7 +201,9 @@ class PrefillMeter:
         if len(ms) < runs:
             from layerdrop.runtime.bench import paired_speedup
 
-            found = paired_speedup(self.base, session(), self.seq, runs=runs - len(ms))
+            # a new session is warmed twice; the base twice on its first use, then once
+            found = paired_speedup(self.base, session(), self.seq, runs=runs - len(ms),
+                                   base_warmup=1 if any(base for base, _ in self.timings.values()) else 2)
             base_ms += found["base_runs_ms"]
             ms += found["runs_ms"]
         return self.pooled(key)[0]
