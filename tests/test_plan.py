@@ -592,6 +592,44 @@ def test_a_speedup_budget_mixes_a_fitted_run_with_fitted_attention(exported, tmp
     assert f"| {lowest}:fit; blocks {start + 1}-{start + 1} into {start} |" in table
 
 
+def test_fits_get_a_row_at_the_block_rows_speed_where_blocks_overshoot(exported, tmp_path, monkeypatch, capsys):
+    """Under a speedup budget, where the block rows' measured speedup is above the attention rows' (a block is a
+    coarser step), the planner's greedy search goes on past its count and a row fits the first layers it takes
+    that reach the block rows' speedup (fixed speedups: 1.2x takes 2 layers at 1.25x and 2 blocks at 1.43x, which
+    3 layers match); its layers extend the planner's, and its perplexity is PyTorch's with the same layers fitted
+    independently, bottom-up."""
+    from tests.torch_reference import fitted
+    from tests.torch_reference import perplexity as torch_perplexity
+
+    _fixed_speedups(monkeypatch, [])
+    folder = exported("llama", True)
+    report = tmp_path / "plan.json"
+    code = main(["plan", *NO_TASK, str(folder), "-o", str(tmp_path / "model"), "--budget", "speedup=1.2@32",
+                 "--moves", "blocks,fit", "--samples", "4", "--search-samples", "2", "--eval-samples", "2",
+                 "--seq-len", "32", "--speedup-runs", "2", "--json", str(report)])
+    assert code == 0
+    assert "and on to 3, the block rows' speed" in capsys.readouterr().err
+    result = json.loads(report.read_text())
+    assert result["attention_layers"] == 2 and result["block_count"] == 2
+    rows = {row["method"]: row for row in result["methods"]}
+    matched = rows["planner: fitted maps on the 3 layers it chose first, at the block rows' speed"]
+    planner = next(row for name, row in rows.items() if name.startswith("planner: fitted maps on the layers"))
+    assert len(matched["fits"]) == 3 and set(planner["fits"]) < set(matched["fits"])
+    assert matched["structure"] != planner["structure"]  # timed on its own (the table's timing is real here)
+    assert matched["kv_kept"] == 0.25 and matched["moves"] == ["fit"]
+    windows = api.windows_for(folder, None, role="calib", samples=4, seq_len=32)
+    reference = tiny_model("llama")
+    for layer in matched["fits"]:  # bottom-up: each layer fitted on the states the maps below it leave
+        reference, _ = fitted(reference, windows.ids, [layer], matched["ridges"][str(layer)])
+    search = api.windows_for(folder, None, role="search", samples=2, seq_len=32,
+                             calibration_sha256=windows.source["sha256"]).ids
+    assert matched["search_ppl"] == pytest.approx(torch_perplexity(reference, search), rel=1e-4)
+    greedy = [entry for entry in result["planner_log"] if entry["stage"].startswith("greedy")]
+    assert [entry["stage"] for entry in greedy] == ["greedy", "greedy", "greedy, past the budget"]
+    assert {greedy[0]["layer"], greedy[1]["layer"]} == set(planner["fits"])
+    assert set(matched["fits"]) - set(planner["fits"]) == {greedy[2]["layer"]}
+
+
 def test_move_words_each_budget_takes():
     """attn and kv budgets take the attention moves, blocks=N the blocks move alone, a speedup any mix (all by
     default)."""

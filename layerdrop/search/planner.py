@@ -52,6 +52,7 @@ class Plan:
     perplexity: float
     log: list[dict] = field(default_factory=list)
     fits: list[int] = field(default_factory=list)
+    order: list[int] = field(default_factory=list)  # plan_fits: the greedy order, `more` layers past the budget too
 
 
 class _Evaluator:
@@ -145,14 +146,17 @@ def plan_attention(
 
 def plan_fits(model: ir.Model, folder: Path, windows: np.ndarray, scores: dict[int, float], budget: int, *,
               solo: Fit, extra: int = 4, progress: bool = True, grid: tuple[float, ...] = (),
-              means: dict[int, tuple[np.ndarray, np.ndarray]] | None = None, **session_args) -> Plan:
+              means: dict[int, tuple[np.ndarray, np.ndarray]] | None = None, more: int = 0,
+              **session_args) -> Plan:
     """Choose `budget` attention layers to replace by fitted maps (see module docstring): each pool layer's map
     (`solo`: fitted alone, for every pool layer, see `search.fit.solo_fits`) measured alone, then added greedily;
     with a `grid` of alphas (the bypass and drop moves allowed; `means` of the pool layers for the shift), each
-    chosen layer's move chosen again among its map and those alphas, top-down.
+    chosen layer's move chosen again among its map and those alphas, top-down. With `more`, the greedy stage goes on
+    for that many layers past the budget (at most the pool's `extra`), which changes nothing of the first `budget`.
 
     Returns:
-        A Plan with the layers that keep their map in `fits`, the others' alphas, and the perplexity of them all.
+        A Plan with the layers that keep their map in `fits`, the others' alphas, the perplexity of them all, and
+        the greedy order (`order`: `budget` + `more` layers).
     """
     pool = candidate_pool(scores, budget, extra)
     evaluate = _Evaluator(model, folder, windows, pool, progress, None, (), {**session_args, "fits": solo.maps})
@@ -162,8 +166,14 @@ def plan_fits(model: ir.Model, folder: Path, windows: np.ndarray, scores: dict[i
         alone[layer] = evaluate({layer: 0.0})
         log.append({"stage": "solo", "layer": layer, "move": "fit", "ridge": solo.ridges[layer],
                     "perplexity": alone[layer]})
-    chosen, current = _lazy_greedy(evaluate, dict.fromkeys(pool, 0.0), alone, budget, log)
+    taken, _ = _lazy_greedy(evaluate, dict.fromkeys(pool, 0.0), alone, min(budget + max(more, 0), len(pool)), log)
     evaluate.bar.close()
+    order = list(taken)
+    chosen = {layer: taken[layer] for layer in order[:budget]}
+    steps = [entry for entry in log if entry["stage"] == "greedy"]
+    current = steps[budget - 1]["perplexity"]
+    for entry in steps[budget:]:
+        entry["stage"] = "greedy, past the budget"
     moves: dict[int, float | str] = dict.fromkeys(chosen, FIT)
     if grid:
         layers = sorted(chosen)
@@ -178,7 +188,7 @@ def plan_fits(model: ir.Model, folder: Path, windows: np.ndarray, scores: dict[i
                         "alpha": None if moves[layer] == FIT else moves[layer], "perplexity": current})
         mixed.bar.close()
     return Plan({k: v for k, v in moves.items() if v != FIT}, current, log,
-                fits=sorted(k for k, v in moves.items() if v == FIT))
+                fits=sorted(k for k, v in moves.items() if v == FIT), order=order)
 
 
 def _move_word(move: float | str) -> str:
@@ -188,7 +198,7 @@ def _move_word(move: float | str) -> str:
 def _lazy_greedy(evaluate: _Evaluator, moves: dict[int, float], alone: dict[int, float], budget: int,
                  log: list[dict]) -> tuple[dict[int, float], float]:
     """The greedy stage (module docstring): `moves` has each pool layer's move, `alone` its perplexity measured
-    alone. Returns the chosen moves and the perplexity with all of them."""
+    alone. Returns the chosen moves (in the order taken) and the perplexity with all of them."""
     # Move sets from here on start at different layers; one graph from the lowest pool layer serves them all.
     evaluate.start = min(moves)
     current = evaluate.suffix.perplexity({}, evaluate.start)  # nothing moved: what each increase is measured from
