@@ -538,6 +538,19 @@ def test_the_sizing_confirms_its_count_with_the_tables_runs():
     assert count_for_speedup(value, Noisy(None, None, 64, None, runs=3), scores, ("attn",)) == 4  # no confirming
 
 
+def _speedup_plan(exported, tmp_path, monkeypatch, value: float):
+    """`plan --budget speedup=VALUE@32 --moves blocks,fit` on the tiny Llama with fixed sizing speedups; returns its
+    folder and the report's path."""
+    _fixed_speedups(monkeypatch, [])
+    folder = exported("llama", True)
+    report = tmp_path / "plan.json"
+    code = main(["plan", *NO_TASK, str(folder), "-o", str(tmp_path / "model"), "--budget", f"speedup={value}@32",
+                 "--moves", "blocks,fit", "--samples", "4", "--search-samples", "2", "--eval-samples", "2",
+                 "--seq-len", "32", "--speedup-runs", "2", "--json", str(report)])
+    assert code == 0
+    return folder, report
+
+
 def test_a_speedup_budget_mixes_a_fitted_run_with_fitted_attention(exported, tmp_path, monkeypatch, capsys):
     """`--budget speedup=X --moves blocks,fit`: besides the attention rows and the block rows, a row with
     ReplaceMe's run of fewer blocks and the lowest-scored attention layers outside it fitted on the model with the
@@ -548,14 +561,8 @@ def test_a_speedup_budget_mixes_a_fitted_run_with_fitted_attention(exported, tmp
     from tests.torch_reference import fitted, hook_scores, replaceme_reference
     from tests.torch_reference import perplexity as torch_perplexity
 
-    _fixed_speedups(monkeypatch, [])
-    folder = exported("llama", True)
-    report = tmp_path / "plan.json"
     # 1.3x: attention alone needs 3 layers (70 left), blocks alone 2 (70 left), a run of 1 block + 1 layer (75 left)
-    code = main(["plan", *NO_TASK, str(folder), "-o", str(tmp_path / "model"), "--budget", "speedup=1.3@32",
-                 "--moves", "blocks,fit", "--samples", "4", "--search-samples", "2", "--eval-samples", "2",
-                 "--seq-len", "32", "--speedup-runs", "2", "--json", str(report)])
-    assert code == 0
+    folder, report = _speedup_plan(exported, tmp_path, monkeypatch, 1.3)
     phases = re.findall(r"layerdrop plan: \[\d+/\d+\][^\r\n]*", capsys.readouterr().err)  # after bars' lines
     assert [p.split("]")[0] for p in phases] == [f"layerdrop plan: [{i}/5" for i in range(1, 6)]
     assert "sizing the rows" in phases[0] and "reaches 1.3x" in phases[0] and "measuring" in phases[-1]
@@ -601,13 +608,7 @@ def test_fits_get_a_row_at_the_block_rows_speed_where_blocks_overshoot(exported,
     from tests.torch_reference import fitted
     from tests.torch_reference import perplexity as torch_perplexity
 
-    _fixed_speedups(monkeypatch, [])
-    folder = exported("llama", True)
-    report = tmp_path / "plan.json"
-    code = main(["plan", *NO_TASK, str(folder), "-o", str(tmp_path / "model"), "--budget", "speedup=1.2@32",
-                 "--moves", "blocks,fit", "--samples", "4", "--search-samples", "2", "--eval-samples", "2",
-                 "--seq-len", "32", "--speedup-runs", "2", "--json", str(report)])
-    assert code == 0
+    folder, report = _speedup_plan(exported, tmp_path, monkeypatch, 1.2)
     assert "and on to 3, the block rows' speed" in capsys.readouterr().err
     result = json.loads(report.read_text())
     assert result["attention_layers"] == 2 and result["block_count"] == 2
