@@ -208,7 +208,9 @@ def plan(
     (`search.selection.count_for_speedup`): the attention rows take the fewest lowest-scored layers which, replaced
     by a map (or dropped, with neither fit nor bypass allowed), reach X, the block rows the fewest lowest-scored
     blocks, and with both kinds allowed, ReplaceMe's run of a third and of two thirds of those blocks comes with as
-    many fitted (or dropped) attention layers outside the run as the rest of the budget takes. The search windows
+    many fitted (or dropped) attention layers outside the run as the rest of the budget takes; where the block
+    rows' measured speedup is above the attention rows' (a block is the coarser step), the fit search goes on to
+    the fewest layers whose maps reach it, for a row of the planner's fits at the block rows' speed. The search windows
     come from the search part of `calib` (disjoint from its calibration windows, on which means and fits are
     estimated), or from `search_text` (all of it, unless it is `calib`): every choice (alphas, layers, ridges, the
     pick) is made on them, so a search text of several kinds guards the choices against the calibration text's kind;
@@ -401,10 +403,11 @@ def _counts(kind: str, value: float, meter: PrefillMeter | None, scores: dict[in
 def _matched_count(meter: PrefillMeter, scores: dict[int, float], block_scores: dict[int, float], count: int,
                    block_count: int, extra: int, skipped: list[str]) -> int | None:
     """Under a speedup budget, a block is a coarser step than an attention layer, so the block rows the sizing
-    takes can overshoot the budget by more than the attention rows do (SmolLM2 at 1024 tokens: 10 blocks 1.44x
-    against 13 fitted layers' 1.41x, 30 runs each). For a comparison at equal speed, the number of attention layers
-    whose fitted maps reach the block rows' measured speedup (from the sizing's confirmed runs, which the table's
-    block rows reuse), if that is more than `count` and within the planner's pool (`extra`); else None."""
+    takes can overshoot the budget by more than the attention rows do (SmolLM2 at 1024 tokens: 10 blocks 1.426x
+    against 13 fitted layers' 1.391x, 30 runs each, `benchmarks/timing_noise.py`). For a comparison at equal speed,
+    the number of attention layers whose fitted maps reach the block rows' measured speedup (from the sizing's
+    confirmed runs, which the table's block rows reuse), if that is more than `count` and within the planner's pool
+    (`extra`); else None."""
     runs = max(meter.runs, meter.confirm_runs)
     blocks = meter.speedup(lowest_layers(block_scores, block_count), (), runs)
     if blocks <= meter.speedup((), lowest_layers(scores, count), runs):
