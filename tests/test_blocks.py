@@ -14,7 +14,7 @@ import pytest
 from layerdrop import api
 from layerdrop.formats import SCOPES_KEY
 from layerdrop.model_folder import save
-from layerdrop.search.blocks import replaceme, with_replaced_run
+from layerdrop.search.blocks import replaceme, replaceme_runs, with_replaced_run
 from layerdrop.windows import Windows
 from tests.conftest import ALL_FAMILIES
 from tests.helpers import ort_logits
@@ -41,6 +41,19 @@ def test_replaceme_equals_torch_and_numpy(exported, family, rng, tmp_path):
     scopes = [ast.literal_eval(p.value) for n in graph.node for p in n.metadata_props if p.key == SCOPES_KEY]
     layers = {int(m.group(1)) for entries in scopes for e in entries if (m := re.search(r"layers\.(\d+)$", e))}
     assert layers and not layers & removed, "no node of the removed blocks is left"
+
+
+def test_runs_of_several_lengths_from_one_pass_each_equal_torch_and_numpy(exported, rng):
+    """A speedup plan fits runs of three lengths: one selection pass and one statistics pass serve them all, and
+    each run is the one PyTorch selects and fits alone."""
+    folder, model = api.open_model(exported("llama", True))
+    windows = rng.randint(0, VOCAB, size=(4, 24))
+    runs = replaceme_runs(model, folder.path, Windows(windows, {}), [2, 1], ridges=(RIDGE,))
+    assert sorted(runs) == [1, 2]
+    for count, fit in runs.items():
+        _, start, transform = replaceme_reference(tiny_model("llama"), windows, count, RIDGE)
+        assert (fit.start, fit.count) == (start, count)
+        np.testing.assert_allclose(fit.transform, transform, atol=1e-4)
 
 
 @pytest.mark.parametrize("family, folded", [("llama", True), ("gemma3", False)])

@@ -37,7 +37,7 @@ from layerdrop.runtime.evaluate import perplexity
 from layerdrop.runtime.generate import sample_windows
 from layerdrop.runtime.session import make_session
 from layerdrop.search.alpha_search import ALPHA_GRID
-from layerdrop.search.blocks import BlockFit, replaceme, with_replaced_run
+from layerdrop.search.blocks import BlockFit, replaceme_runs, with_replaced_run
 from layerdrop.search.fit import fit_attention, solo_fits
 from layerdrop.search.measure import attention_entries, branch_means
 from layerdrop.search.planner import bypass_search, candidate_pool, plan_attention, plan_fits
@@ -354,10 +354,12 @@ def plan(
     if block_count:
         phase(f"block moves: ShortGPT's drop and ReplaceMe's fitted run of {block_count} blocks"
               + (", and runs of fewer blocks with attention moves" if meter and allowed - {"blocks"} else ""))
-        candidates += _block_methods(model, folder.path, block_scores, block_count, fit_windows, search.ids,
-                                     search_args, skipped)
-        if meter is not None and not any("ReplaceMe row left out" in why for why in skipped):
-            candidates += _mixed_methods(model, folder.path, meter, value, scores, block_count, fit_windows,
+        sizes = _mixed_sizes(block_count, allowed) if meter is not None else []
+        runs = _replaceme_runs(model, folder.path, fit_windows, [block_count, *sizes], search.ids, search_args,
+                               skipped)
+        candidates += _block_methods(block_scores, block_count, runs)
+        if runs:
+            candidates += _mixed_methods(model, folder.path, meter, value, scores, sizes, runs, fit_windows,
                                          search, allowed, progress, search_args, skipped)
     if meter is not None:
         meter.bar.close()
@@ -715,35 +717,52 @@ def _accuracy(model: ir.Model, session, folder: Path, items: list[dict], search_
     return choice_scores(lm, items)
 
 
-def _block_methods(model: ir.Model, folder: Path, block_scores: dict[int, float], count: int, fit_windows: Windows,
-                   search_ids, search_args: dict, skipped: list[str]) -> list[Candidate]:
-    """Block budgets: ShortGPT's drop of the lowest-scored blocks, and ReplaceMe's fitted run (its selection)."""
+def _replaceme_runs(model: ir.Model, folder: Path, fit_windows: Windows, counts: list[int], search_ids,
+                    search_args: dict, skipped: list[str]) -> dict[int, BlockFit]:
+    """ReplaceMe's fitted runs (its selection, its fit) of each of `counts` blocks, the calibration windows run once
+    for all of them (`search.blocks.replaceme_runs`); none, with a note, where the windows cannot support a fit."""
+    try:
+        return replaceme_runs(model, folder, fit_windows, counts, validation=search_ids, **search_args)
+    except TooFewTokens as exc:
+        skipped.append(_skip(f"ReplaceMe row left out: {exc}"))
+        return {}
+
+
+def _block_methods(block_scores: dict[int, float], count: int, runs: dict[int, BlockFit]) -> list[Candidate]:
+    """Block budgets: ShortGPT's drop of the lowest-scored blocks, and ReplaceMe's fitted run (its selection) where
+    `runs` has one of `count` blocks."""
     moves = frozenset({"blocks"})
     scores = [{"layer": layer, "kind": "block", "score": s} for layer, s in block_scores.items()]
     lowest = sorted(layer for _, layer in select_lowest(scores, ("block",), count))
     candidates = [Candidate("ShortGPT-style block drop of the lowest block scores", blocks=lowest, moves=moves)]
-    try:
-        run = replaceme(model, folder, fit_windows, count, validation=search_ids, **search_args)
-    except TooFewTokens as exc:
-        skipped.append(_skip(f"ReplaceMe row left out: {exc}"))
+    if count not in runs:
         return candidates
+    run = runs[count]
     return candidates + [Candidate("ReplaceMe: its selection and fitted transform", run=run,
                                    ridges={run.start: run.ridge}, moves=moves)]
 
 
+def _mixed_sizes(block_count: int, allowed: frozenset) -> list[int]:
+    """The runs of fewer blocks a speedup budget mixes with attention moves: a third and two thirds of the blocks
+    the budget takes alone (none without an attention move to mix)."""
+    if not allowed & {"fit", "drop"}:
+        return []
+    return sorted({block_count // 3, 2 * block_count // 3} - {0, block_count})
+
+
 def _mixed_methods(model: ir.Model, folder: Path, meter: PrefillMeter, value: float, scores: dict[int, float],
-                   block_count: int, fit_windows: Windows, search: Windows, allowed: frozenset, progress: bool,
-                   search_args: dict, skipped: list[str]) -> list[Candidate]:
-    """Speedup budgets with block and attention moves allowed: ReplaceMe's run (its selection and fit) of a third
-    and of two thirds of the blocks the budget takes alone, then the lowest-scored attention layers outside the
-    run, as few as reach the budget with it by measured prefill, fitted on the model with the run in place (or
-    dropped, without the fit move)."""
+                   sizes: list[int], runs: dict[int, BlockFit], fit_windows: Windows, search: Windows,
+                   allowed: frozenset, progress: bool, search_args: dict, skipped: list[str]) -> list[Candidate]:
+    """Speedup budgets with block and attention moves allowed: ReplaceMe's run (its selection and fit) of each of
+    `sizes` blocks (`_mixed_sizes`), then the lowest-scored attention layers outside the run, as few as reach the
+    budget with it by measured prefill, fitted on the model with the run in place (or dropped, without the fit
+    move)."""
     word = "fit" if "fit" in allowed else "drop" if "drop" in allowed else None
     if word is None:
         return []
     candidates = []
-    for size in sorted({block_count // 3, 2 * block_count // 3} - {0, block_count}):
-        run = replaceme(model, folder, fit_windows, size, validation=search.ids, **search_args)
+    for size in sizes:
+        run = runs[size]
         gone = range(run.start + 1, run.start + 1 + size)
         rest = {layer: s for layer, s in scores.items() if layer not in gone}
         try:

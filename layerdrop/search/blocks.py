@@ -51,43 +51,71 @@ def replaceme_start(model: ir.Model, folder: Path, windows: Windows, count: int,
     Raises:
         LayerdropError: the model has no run of `count` blocks after a kept one.
     """
+    return replaceme_starts(model, folder, windows, [count], **session_args)[count]
+
+
+def replaceme_starts(model: ir.Model, folder: Path, windows: Windows, counts: list[int], **session_args
+                     ) -> dict[int, tuple[int, dict]]:
+    """`replaceme_start` for several run lengths from one run of the windows: count -> (start, distances).
+
+    Raises:
+        LayerdropError: the model has no run of one of the `counts` blocks after a kept one.
+    """
     outputs = block_outputs(model)
     layers = sorted(outputs)
-    starts = [i for i in layers if i + count in outputs]
-    if not starts or count < 1:
-        raise LayerdropError(f"no run of {count} blocks to replace: the model has {len(layers)} blocks")
+    starts = {count: [i for i in layers if i + count in outputs] for count in counts}
+    for count, found in starts.items():
+        if not found or count < 1:
+            raise LayerdropError(f"no run of {count} blocks to replace: the model has {len(layers)} blocks")
     names = [outputs[i] for i in layers]
     session = make_session(with_outputs(model, names), folder=folder, **session_args)
-    totals = dict.fromkeys(starts, 0.0)
+    totals = {count: dict.fromkeys(found, 0.0) for count, found in starts.items()}
     tokens = 0
     for row, real in zip(windows.ids, windows.real):
-        states = dict(zip(layers, session.run(names, prefill_feed(session, row[None]))))
-        for i in starts:
-            a, b = states[i][0, real].astype(np.float64), states[i + count][0, real].astype(np.float64)
-            cos = (a * b).sum(-1) / np.maximum(np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1), 1e-300)
-            totals[i] += float((1 - cos).sum())
+        states = {i: s[0, real].astype(np.float64) for i, s in
+                  zip(layers, session.run(names, prefill_feed(session, row[None])))}
+        norms = {i: np.linalg.norm(s, axis=-1) for i, s in states.items()}
+        for count, found in starts.items():
+            for i in found:
+                a, b = states[i], states[i + count]
+                cos = (a * b).sum(-1) / np.maximum(norms[i] * norms[i + count], 1e-300)
+                totals[count][i] += float((1 - cos).sum())
         tokens += int(real.sum())
-    distances = {i: total / tokens for i, total in totals.items()}
-    return min(distances, key=lambda i: (distances[i], i)), distances
+    chosen = {}
+    for count, total in totals.items():
+        distances = {i: value / tokens for i, value in total.items()}
+        chosen[count] = min(distances, key=lambda i: (distances[i], i)), distances
+    return chosen
 
 
 def transform_statistics(model: ir.Model, folder: Path, windows: Windows, start: int, count: int, **session_args
                          ) -> tuple[np.ndarray, np.ndarray, int]:
     """(G = M^T M, C = M^T (h_{start+count} - h_start + M), tokens) over the windows' text tokens, float64."""
+    return run_statistics(model, folder, windows, [(start, count)], **session_args)[start, count]
+
+
+def run_statistics(model: ir.Model, folder: Path, windows: Windows, runs: list[tuple[int, int]], **session_args
+                   ) -> dict[tuple[int, int], tuple[np.ndarray, np.ndarray, int]]:
+    """`transform_statistics` for several runs (start, count) from one run of the windows."""
     regions = annotated_regions(model)
-    mlp = next((r for r in regions if r.kind == "mlp" and r.layer == start), None)
     outputs = block_outputs(model)
-    if mlp is None or start + count not in outputs:
-        raise LayerdropError(f"cannot replace blocks {start + 1}..{start + count}: no such run after an MLP")
-    names = [mlp.branch_output.name, outputs[start], outputs[start + count]]
+    wanted = {}
+    for start, count in runs:
+        mlp = next((r for r in regions if r.kind == "mlp" and r.layer == start), None)
+        if mlp is None or start + count not in outputs:
+            raise LayerdropError(f"cannot replace blocks {start + 1}..{start + count}: no such run after an MLP")
+        wanted[start, count] = (mlp.branch_output.name, outputs[start], outputs[start + count])
+    names = sorted({name for triple in wanted.values() for name in triple})
     session = make_session(with_outputs(model, names), folder=folder, **session_args)
-    gram, cross, tokens = 0.0, 0.0, 0
+    found = dict.fromkeys(wanted, (0.0, 0.0, 0))
     for row, real in zip(windows.ids, windows.real):
-        branch, before, after = (a[0, real].astype(np.float64) for a in
-                                 session.run(names, prefill_feed(session, row[None])))
-        gram, cross = gram + branch.T @ branch, cross + branch.T @ (after - before + branch)
-        tokens += int(real.sum())
-    return gram, cross, tokens
+        states = dict(zip(names, session.run(names, prefill_feed(session, row[None]))))
+        for run, triple in wanted.items():
+            branch, before, after = (states[name][0, real].astype(np.float64) for name in triple)
+            gram, cross, tokens = found[run]
+            found[run] = (gram + branch.T @ branch, cross + branch.T @ (after - before + branch),
+                          tokens + int(real.sum()))
+    return found
 
 
 def solve_transform(gram: np.ndarray, cross: np.ndarray, ridge: float) -> np.ndarray:
@@ -126,13 +154,41 @@ def replaceme(model: ir.Model, folder: Path, windows: Windows, count: int, *, va
     Raises:
         LayerdropError: no such run, or fewer calibration tokens than the hidden size.
     """
-    distances = {}
-    if start is None:
-        start, distances = replaceme_start(model, folder, windows, count, **session_args)
-    gram, cross, tokens = transform_statistics(model, folder, windows, start, count, **session_args)
+    if start is not None:
+        statistics = run_statistics(model, folder, windows, [(start, count)], **session_args)[start, count]
+        return _fitted(model, folder, start, count, statistics, {}, validation, ridges, batch_size, session_args)
+    return replaceme_runs(model, folder, windows, [count], validation=validation, ridges=ridges,
+                          batch_size=batch_size, **session_args)[count]
+
+
+def replaceme_runs(model: ir.Model, folder: Path, windows: Windows, counts: list[int], *,
+                   validation: np.ndarray | None = None, ridges: tuple[float, ...] = RIDGES, batch_size: int = 1,
+                   **session_args) -> dict[int, BlockFit]:
+    """`replaceme` for several run lengths (count -> its fitted run), each with its own selection: the windows run
+    once for all the selections and once for all the fits' statistics.
+
+    Raises:
+        LayerdropError: no such run, or fewer calibration tokens than the hidden size.
+    """
+    counts = sorted(set(counts))
+    starts = replaceme_starts(model, folder, windows, counts, **session_args)
+    statistics = run_statistics(model, folder, windows, [(starts[n][0], n) for n in counts], **session_args)
+    return {n: _fitted(model, folder, starts[n][0], n, statistics[starts[n][0], n], starts[n][1], validation, ridges,
+                       batch_size, session_args) for n in counts}
+
+
+def _fitted(model: ir.Model, folder: Path, start: int, count: int, statistics: tuple, distances: dict,
+            validation: np.ndarray | None, ridges: tuple[float, ...], batch_size: int, session_args: dict) -> BlockFit:
+    """The run's transform for each ridge, the one with the lowest perplexity on `validation` kept (the middle
+    ridge without).
+
+    Raises:
+        TooFewTokens: fewer calibration tokens than the hidden size.
+    """
+    gram, cross, tokens = statistics
     if tokens < len(gram):
         raise TooFewTokens(f"a fit needs at least {len(gram)} calibration tokens (the hidden size) and the windows "
-                             f"hold {tokens}; use more --samples or a longer --seq-len")
+                           f"hold {tokens}; use more --samples or a longer --seq-len")
     candidates = {ridge: solve_transform(gram, cross, ridge) for ridge in ridges}
     trials = []
     if validation is None:
