@@ -178,8 +178,8 @@ def test_searches_sharing_a_cache_measure_a_move_set_once(exported, monkeypatch)
     windows = api.windows_for(folder, None, role="search", samples=2, seq_len=32).ids
     measured = []
     original = alpha_search.GatedSuffix.perplexity
-    monkeypatch.setattr(alpha_search.GatedSuffix, "perplexity",
-                        lambda self, moves, start=None: measured.append(dict(moves)) or original(self, moves, start))
+    monkeypatch.setattr(alpha_search.GatedSuffix, "perplexity", lambda self, moves, start=None, **kw:
+                        measured.append(dict(moves)) or original(self, moves, start, **kw))
     cache: dict = {}
     first = alpha_search.greedy_alpha_search(model, folder, windows, [3, 2], progress=False, cache=cache)
     second = alpha_search.greedy_alpha_search(model, folder, windows, [3, 1], progress=False, cache=cache)
@@ -191,3 +191,20 @@ def test_searches_sharing_a_cache_measure_a_move_set_once(exported, monkeypatch)
         reference = replaced(tiny_model("llama"), [("attn", k) for k, a in moves.items() if a == 0],
                              {k: a for k, a in moves.items() if a > 0})
         assert trial["perplexity"] == pytest.approx(torch_perplexity(reference, windows), rel=1e-4), trial
+
+
+def test_a_sweep_writes_the_layers_settled_above_into_its_graph(exported):
+    """While a layer is swept, the layers settled above it are bypassed in the graph itself, not gated: none of
+    their attention is computed (their perplexities are checked against PyTorch above)."""
+    from layerdrop.search import alpha_search
+
+    folder = exported("llama", False)
+    _, model = open_model(folder)
+    windows = api.windows_for(folder, None, role="search", samples=1, seq_len=16).ids
+    suffix = alpha_search.GatedSuffix(model, folder, windows, [1, 2, 3])
+    gated, settled = suffix._gated(1), suffix._gated(1, {3: 0.4, 2: 0.0})
+    inputs = {v.name for v in settled.graph.inputs}
+    assert "layerdrop_keep_1" in inputs and not inputs & {"layerdrop_keep_2", "layerdrop_keep_3"}
+    ops = [n.op_type for n in settled.graph]
+    assert ops.count("Softmax") + ops.count("Attention") == [n.op_type for n in gated.graph].count("Softmax") + [
+        n.op_type for n in gated.graph].count("Attention") - 2

@@ -4,7 +4,9 @@
 A move set maps layers to alphas (0: dropped, or its mean with the shift); every other pool layer keeps its
 attention. All move sets over a pool run in one gated graph per start layer (`passes.gated_search`: keep and
 alpha are inputs), cut to start at the hidden state entering that layer (`passes.graph_cuts`), which is computed
-once from the unmodified model: layers below the lowest changed one are the original's for every candidate.
+once from the unmodified model: layers below the lowest changed one are the original's for every candidate. Moves
+that stay fixed while others vary above the start (the layers a greedy search has settled, above the one it
+sweeps) can be written into that graph instead of gated (`fixed`), so their attention is not computed at all.
 """
 
 from __future__ import annotations
@@ -14,13 +16,18 @@ from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
+from onnxscript.rewriter import RewritePass
 from tqdm import tqdm
 
 from layerdrop.errors import LayerdropError
 from layerdrop.model_folder import copy_model
-from layerdrop.passes.cleanup import run_passes
+from layerdrop.passes.cleanup import cleanup_passes, run_passes
+from layerdrop.passes.find_residuals import FindResidualsPass
+from layerdrop.passes.fold_alpha import fold_alpha_rules
 from layerdrop.passes.gated_search import GatedBypassPass, GatedFitPass, GatedMixedPass, move_feeds
 from layerdrop.passes.graph_cuts import HIDDEN_INPUT, segment, suffix_to_logits
+from layerdrop.passes.harp_bypass import HarpBypassPass
+from layerdrop.passes.prune_kv_cache import PruneKvCachePass
 from layerdrop.passes.token_logprobs import TokenLogprobsPass
 from layerdrop.runtime.evaluate import perplexity
 from layerdrop.runtime.feeds import numpy_type, prefill_feed
@@ -50,14 +57,22 @@ class GatedSuffix:
         if unknown:
             raise LayerdropError(f"layers {unknown} have no attention to search")
         self.hidden = hidden_states_at(model, folder, windows, self.layers, **session_args)
-        self.start: int | None = None
+        self.start: tuple | None = None  # (start layer, fixed moves) of the session
         self.session = None
         self._entered: tuple | None = None  # (layer and moves below it, the state they leave there)
 
-    def _gated(self, start: int) -> ir.Model:
-        """A copy of the model whose pool layers from `start` up are gated."""
+    def _gated(self, start: int, fixed: dict[int, float] | None = None) -> ir.Model:
+        """A copy of the model whose pool layers from `start` up are gated, but those of `fixed` (layer -> alpha;
+        a bypass search only), which are bypassed at their alpha (mean-shifted where `means` has the layer)."""
         gated = copy_model(self.model)
-        moved = [k for k in self.layers if k >= start]
+        fixed = fixed or {}
+        moved = [k for k in self.layers if k >= start and k not in fixed]
+        if fixed:
+            if self.fits is not None:
+                raise LayerdropError("fixed moves are bypasses: a search over fits gates every layer")
+            means = {k: self.means[k] for k in fixed if k in (self.means or {})} or None
+            run_passes(gated, [HarpBypassPass(fixed, means), RewritePass(fold_alpha_rules()), PruneKvCachePass(),
+                               *cleanup_passes(), FindResidualsPass()])
         if self.mixed:
             rewrite = GatedMixedPass({k: self.fits[k] for k in moved}, self.means)
         elif self.fits is not None:
@@ -67,12 +82,13 @@ class GatedSuffix:
         run_passes(gated, [rewrite])
         return gated
 
-    def _session(self, start: int):
-        if start != self.start:
+    def _session(self, start: int, fixed: dict[int, float] | None = None):
+        key = (start, tuple(sorted((fixed or {}).items())))
+        if key != self.start:
             self.session = None  # free the old graph's weights before building the next
-            graph = suffix_to_logits(self._gated(start), self.entries[start])
+            graph = suffix_to_logits(self._gated(start, fixed), self.entries[start])
             TokenLogprobsPass()(graph)  # perplexity from ONNX Runtime's log-softmax, not numpy's
-            self.start, self.session = start, make_session(graph, folder=self.folder, **self.session_args)
+            self.start, self.session = key, make_session(graph, folder=self.folder, **self.session_args)
         return self.session
 
     def entering(self, below: dict[int, float | str], layer: int) -> np.ndarray:
@@ -103,20 +119,24 @@ class GatedSuffix:
         return {k: v for k, v in move_feeds(layers, moves, dtype).items() if k in inputs}
 
     def perplexity(self, moves: dict[int, float | str], start: int | None = None,
-                   below: dict[int, float | str] | None = None) -> float:
+                   below: dict[int, float | str] | None = None, fixed: dict[int, float] | None = None) -> float:
         """Perplexity with `moves` (layer -> alpha, or `FIT` in a mixed search) applied and every other pool layer
         kept, run from the pool layer `start` (default: the lowest moved layer; a fixed start saves building a graph
         per start). With `below` (moves of pool layers under `start`, kept while `moves` vary above), from the state
-        they leave at `start` (`entering`), so those layers run once for every move set above them."""
-        below = below or {}
+        they leave at `start` (`entering`), so those layers run once for every move set above them. With `fixed`
+        (bypasses of pool layers above the start, layer -> alpha, kept while `moves` vary), those are written into
+        the session's graph rather than gated (a session per start and fixed moves)."""
+        below, fixed = below or {}, fixed or {}
         unknown = sorted(set(moves) - set(self.layers))
         if unknown:
             raise LayerdropError(f"layers {unknown} are not in the search pool {self.layers}")
         start = min(moves) if start is None else min([start, *moves])
         if any(k >= start for k in below):
             raise LayerdropError(f"moves {sorted(below)} are not all below the start layer {start}")
-        session, states = self._session(start), self.entering(below, start)
-        extra = self._move_feeds(session, [k for k in self.layers if k >= start], moves)
+        if any(k <= start or k in moves for k in fixed):
+            raise LayerdropError(f"fixed moves {sorted(fixed)} are not all above the start layer {start} and unmoved")
+        session, states = self._session(start, fixed), self.entering(below, start)
+        extra = self._move_feeds(session, [k for k in self.layers if k >= start and k not in fixed], moves)
         return perplexity(session, self.windows, batch_size=self.batch_size,
                           feed_extra=lambda rows: {**extra, HIDDEN_INPUT: states[rows]}).perplexity
 
@@ -152,8 +172,9 @@ def greedy_alpha_search(model: ir.Model, folder: Path, windows: np.ndarray, laye
         for alpha in grid:
             moves = {**result.alphas, layer: alpha}
             key = tuple(sorted(moves.items()))
-            if key not in cache:
-                cache[key] = suffix.perplexity(moves)
+            if key not in cache:  # the layers settled above this one are written into its graph
+                settled = {k: a for k, a in result.alphas.items() if k > layer}
+                cache[key] = suffix.perplexity({k: a for k, a in moves.items() if k not in settled}, fixed=settled)
             sweep[alpha] = cache[key]
             result.trials.append({"layer": layer, "alpha": alpha, "perplexity": sweep[alpha]})
             bar.set_postfix(layer=layer, best=f"{min(sweep.values()):.2f}")
