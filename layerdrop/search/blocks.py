@@ -43,20 +43,10 @@ def block_outputs(model: ir.Model) -> dict[int, str]:
     return outputs
 
 
-def replaceme_start(model: ir.Model, folder: Path, windows: Windows, count: int, **session_args) -> tuple[int, dict]:
-    """ReplaceMe's selection: the start i whose run i+1 .. i+count has the lowest mean 1 - cos(h_i, h_{i+count}).
-
-    Returns the start and the distance of every candidate start.
-
-    Raises:
-        LayerdropError: the model has no run of `count` blocks after a kept one.
-    """
-    return replaceme_starts(model, folder, windows, [count], **session_args)[count]
-
-
 def replaceme_starts(model: ir.Model, folder: Path, windows: Windows, counts: list[int], **session_args
                      ) -> dict[int, tuple[int, dict]]:
-    """`replaceme_start` for several run lengths from one run of the windows: count -> (start, distances).
+    """ReplaceMe's selection for each of `counts`, from one run of the windows: count -> (the start i whose run
+    i+1 .. i+count has the lowest mean 1 - cos(h_i, h_{i+count}), the distance of every candidate start).
 
     Raises:
         LayerdropError: the model has no run of one of the `counts` blocks after a kept one.
@@ -88,15 +78,14 @@ def replaceme_starts(model: ir.Model, folder: Path, windows: Windows, counts: li
     return chosen
 
 
-def transform_statistics(model: ir.Model, folder: Path, windows: Windows, start: int, count: int, **session_args
-                         ) -> tuple[np.ndarray, np.ndarray, int]:
-    """(G = M^T M, C = M^T (h_{start+count} - h_start + M), tokens) over the windows' text tokens, float64."""
-    return run_statistics(model, folder, windows, [(start, count)], **session_args)[start, count]
-
-
 def run_statistics(model: ir.Model, folder: Path, windows: Windows, runs: list[tuple[int, int]], **session_args
                    ) -> dict[tuple[int, int], tuple[np.ndarray, np.ndarray, int]]:
-    """`transform_statistics` for several runs (start, count) from one run of the windows."""
+    """For each run (start, count): (G = M^T M, C = M^T (h_{start+count} - h_start + M), tokens) over the windows'
+    text tokens, float64, M being block start's MLP output; one run of the windows for all of them.
+
+    Raises:
+        LayerdropError: a run does not follow an MLP or goes past the last block.
+    """
     regions = annotated_regions(model)
     outputs = block_outputs(model)
     wanted = {}
