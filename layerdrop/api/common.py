@@ -14,13 +14,9 @@ from layerdrop import model_folder
 from layerdrop.errors import LayerdropError
 from layerdrop.formats import FUSION_NOTE_KEY, FUSIONS_KEY
 from layerdrop.passes.cleanup import cleanup_passes, run_passes
-from layerdrop.passes.drop_branches import DropBranchesPass
 from layerdrop.passes.find_residuals import FindResidualsPass
-from layerdrop.passes.fit_attention import FitAttentionPass
-from layerdrop.passes.fold_alpha import fold_alpha_rules
-from layerdrop.passes.harp_bypass import HarpBypassPass
 from layerdrop.passes.metadata import calibration_record, kv_layer_map, read_json, updated_genai_config
-from layerdrop.passes.prune_kv_cache import PruneKvCachePass
+from layerdrop.passes.moves import move_passes
 from layerdrop.passes.unfuse_skip_norm import UnfuseSkipNormPass
 from layerdrop.windows import Sampling, Windows, draw_windows
 
@@ -74,16 +70,7 @@ def rewrite_passes(drops: list[tuple[str, int]], alphas: dict[int, float], reaso
     ONNX Runtime fusions (which also restore a builder graph's skip-norms); with `quantize="int4"`, ONNX Runtime's
     MatMulNBits quantizer last of all: remove first, then quantize. `run_passes` returns the model to keep (the
     quantizer writes a new one)."""
-    from onnxscript.rewriter import RewritePass
-
-    passes: list[ir.passes.PassBase] = []
-    if drops:
-        passes.append(DropBranchesPass(drops, reason=reason))
-    if fits:
-        passes.append(FitAttentionPass(fits, reason=reason))
-    if alphas:
-        passes += [HarpBypassPass(alphas, means), RewritePass(fold_alpha_rules())]
-    passes += [PruneKvCachePass(), *cleanup_passes(), FindResidualsPass()]
+    passes = move_passes(drops, fits=fits, alphas=alphas, means=means, reason=reason)
     if fuse:
         passes += fusion_passes()
     if quantize is not None:

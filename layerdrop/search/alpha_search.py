@@ -16,18 +16,14 @@ from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter import RewritePass
 from tqdm import tqdm
 
 from layerdrop.errors import LayerdropError
 from layerdrop.model_folder import copy_model
-from layerdrop.passes.cleanup import cleanup_passes, run_passes
-from layerdrop.passes.find_residuals import FindResidualsPass
-from layerdrop.passes.fold_alpha import fold_alpha_rules
+from layerdrop.passes.cleanup import run_passes
 from layerdrop.passes.gated_search import GatedBypassPass, GatedFitPass, GatedMixedPass, move_feeds
 from layerdrop.passes.graph_cuts import HIDDEN_INPUT, segment, suffix_to_logits
-from layerdrop.passes.harp_bypass import HarpBypassPass
-from layerdrop.passes.prune_kv_cache import PruneKvCachePass
+from layerdrop.passes.moves import move_passes
 from layerdrop.passes.token_logprobs import TokenLogprobsPass
 from layerdrop.runtime.evaluate import perplexity
 from layerdrop.runtime.feeds import numpy_type, prefill_feed
@@ -71,8 +67,7 @@ class GatedSuffix:
             if self.fits is not None:
                 raise LayerdropError("fixed moves are bypasses: a search over fits gates every layer")
             means = {k: self.means[k] for k in fixed if k in (self.means or {})} or None
-            run_passes(gated, [HarpBypassPass(fixed, means), RewritePass(fold_alpha_rules()), PruneKvCachePass(),
-                               *cleanup_passes(), FindResidualsPass()])
+            run_passes(gated, move_passes(alphas=fixed, means=means))
         if self.mixed:
             rewrite = GatedMixedPass({k: self.fits[k] for k in moved}, self.means)
         elif self.fits is not None:

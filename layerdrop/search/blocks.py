@@ -21,11 +21,11 @@ import onnx_ir as ir
 
 from layerdrop.errors import LayerdropError, TooFewTokens
 from layerdrop.model_folder import copy_model
-from layerdrop.passes.cleanup import cleanup_passes, run_passes
-from layerdrop.passes.find_residuals import FindResidualsPass, annotated_regions
+from layerdrop.passes.cleanup import run_passes
+from layerdrop.passes.find_residuals import annotated_regions
 from layerdrop.passes.fold_alpha import fold_chain_rules
 from layerdrop.passes.graph_cuts import with_outputs
-from layerdrop.passes.prune_kv_cache import PruneKvCachePass
+from layerdrop.passes.moves import tidy_passes
 from layerdrop.passes.replace_blocks import ReplaceBlocksPass
 from layerdrop.passes.token_logprobs import TokenLogprobsPass
 from layerdrop.runtime.evaluate import perplexity
@@ -118,8 +118,7 @@ def with_replaced_run(model: ir.Model, start: int, count: int, transform: np.nda
     from onnxscript.rewriter import RewritePass
 
     copy = copy_model(model)
-    run_passes(copy, [ReplaceBlocksPass(start, count, transform), RewritePass(fold_chain_rules()), PruneKvCachePass(),
-                      *cleanup_passes(), FindResidualsPass()])
+    run_passes(copy, [ReplaceBlocksPass(start, count, transform), RewritePass(fold_chain_rules()), *tidy_passes()])
     return copy
 
 

@@ -23,11 +23,10 @@ from tqdm import tqdm
 
 from layerdrop.errors import LayerdropError, TooFewTokens
 from layerdrop.model_folder import copy_model
-from layerdrop.passes.cleanup import cleanup_passes, run_passes
-from layerdrop.passes.find_residuals import FindResidualsPass, annotated_regions
-from layerdrop.passes.fit_attention import FitAttentionPass
+from layerdrop.passes.cleanup import run_passes
+from layerdrop.passes.find_residuals import annotated_regions
 from layerdrop.passes.graph_cuts import HIDDEN_INPUT, segment, with_outputs
-from layerdrop.passes.prune_kv_cache import PruneKvCachePass
+from layerdrop.passes.moves import move_passes
 from layerdrop.runtime.feeds import prefill_feed
 from layerdrop.runtime.session import make_session
 from layerdrop.search.measure import attention_entries
@@ -127,7 +126,7 @@ def _climb(session, streams: list[_Stream], target: str, batch_size: int) -> Non
 def _with_maps(model: ir.Model, maps: dict[int, tuple[np.ndarray, np.ndarray]]) -> ir.Model:
     """A copy of `model` with `maps` in place of those layers' attention (their caches gone), annotated again."""
     copy = copy_model(model)
-    run_passes(copy, [FitAttentionPass(maps), PruneKvCachePass(), *cleanup_passes(), FindResidualsPass()])
+    run_passes(copy, move_passes(fits=maps))
     return copy
 
 

@@ -16,10 +16,10 @@ import onnx_ir as ir
 
 from layerdrop.errors import LayerdropError
 from layerdrop.passes.attach_scores import AttachScoresPass
-from layerdrop.passes.cleanup import cleanup_passes, run_passes
+from layerdrop.passes.cleanup import run_passes
 from layerdrop.passes.drop_branches import DropBranchesPass
-from layerdrop.passes.find_residuals import FindResidualsPass, annotated_regions
-from layerdrop.passes.prune_kv_cache import PruneKvCachePass
+from layerdrop.passes.find_residuals import annotated_regions
+from layerdrop.passes.moves import move_passes, tidy_passes
 from layerdrop.search.measure import compute_scores
 from layerdrop.windows import Windows
 
@@ -73,8 +73,7 @@ def drop_iteratively(model: ir.Model, folder: Path, windows: Windows, kinds: tup
         scores = compute_scores(model, folder, windows, provider=provider, threads=threads, progress=progress)
         target = select_lowest([asdict(s) for s in scores], kinds, count - step)[:1]
         run_passes(model, [AttachScoresPass(scores, windows.source),
-                           DropBranchesPass(target, reason=f"{label}-{count} iterative step {step + 1}"),
-                           PruneKvCachePass(), *cleanup_passes(), FindResidualsPass()])
+                           *move_passes(target, reason=f"{label}-{count} iterative step {step + 1}")])
 
 
 def parse_budget(text: str, attention_layers: int) -> tuple[str, float, int | None]:
@@ -240,7 +239,7 @@ class PrefillMeter:
                                      "maps; run the graph through onnx shape inference, or use --moves drop,blocks")
             passes.append(FitAttentionPass({k: (np.zeros((d, d), np.float32), np.zeros(d, np.float32))
                                             for k, d in width.items()}, reason="sizing"))
-        run_passes(copy, [*passes, PruneKvCachePass(), *cleanup_passes(), FindResidualsPass()])
+        run_passes(copy, [*passes, *tidy_passes()])
         return copy
 
 
