@@ -18,7 +18,7 @@ from layerdrop.search.blocks import replaceme, replaceme_runs, with_replaced_run
 from layerdrop.windows import Windows
 from tests.conftest import ALL_FAMILIES
 from tests.helpers import ort_logits
-from tests.torch_reference import VOCAB, logits, replaceme_reference, tiny_model
+from tests.torch_reference import VOCAB, logits, perplexity, replaceme_reference, tiny_model
 
 RIDGE = 1e-2
 
@@ -54,6 +54,24 @@ def test_runs_of_several_lengths_from_one_pass_each_equal_torch_and_numpy(export
         _, start, transform = replaceme_reference(tiny_model("llama"), windows, count, RIDGE)
         assert (fit.start, fit.count) == (start, count)
         np.testing.assert_allclose(fit.transform, transform, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_each_ridge_is_judged_by_the_perplexity_of_its_replaced_model(exported, family, rng):
+    """The ridge's validation runs from the state entering the run's first kept block: every ridge's perplexity
+    equals PyTorch's for the model with that run replaced by that ridge's transform, and the lowest is kept."""
+    folder, model = api.open_model(exported(family, True))
+    windows, validation = rng.randint(0, VOCAB, size=(4, 24)), rng.randint(0, VOCAB, size=(3, 16))
+    ridges = (1e-3, 1.0)
+    fit = replaceme_runs(model, folder.path, Windows(windows, {}), [2], validation=validation, ridges=ridges)[2]
+    expected = {}
+    for ridge in ridges:
+        reference, start, transform = replaceme_reference(tiny_model(family), windows, 2, ridge)
+        expected[ridge] = perplexity(reference, validation)
+    assert fit.start == start
+    assert [t["ridge"] for t in fit.trials] == list(ridges)
+    np.testing.assert_allclose([t["perplexity"] for t in fit.trials], [expected[r] for r in ridges], rtol=1e-4)
+    assert fit.ridge == min(expected, key=expected.get)
 
 
 @pytest.mark.parametrize("family, folded", [("llama", True), ("gemma3", False)])

@@ -24,7 +24,7 @@ from layerdrop.model_folder import copy_model
 from layerdrop.passes.cleanup import run_passes
 from layerdrop.passes.find_residuals import annotated_regions
 from layerdrop.passes.fold_alpha import fold_chain_rules
-from layerdrop.passes.graph_cuts import with_outputs
+from layerdrop.passes.graph_cuts import HIDDEN_INPUT, suffix_to_logits, with_outputs
 from layerdrop.passes.moves import tidy_passes
 from layerdrop.passes.replace_blocks import ReplaceBlocksPass
 from layerdrop.passes.token_logprobs import TokenLogprobsPass
@@ -32,6 +32,7 @@ from layerdrop.runtime.evaluate import perplexity
 from layerdrop.runtime.feeds import prefill_feed
 from layerdrop.runtime.session import make_session
 from layerdrop.search.fit import RIDGES
+from layerdrop.search.measure import attention_entries, hidden_states_at
 from layerdrop.windows import Windows
 
 
@@ -135,16 +136,12 @@ class BlockFit:
 
 
 def replaceme(model: ir.Model, folder: Path, windows: Windows, count: int, *, validation: np.ndarray | None = None,
-              start: int | None = None, ridges: tuple[float, ...] = RIDGES, batch_size: int = 1,
-              **session_args) -> BlockFit:
-    """ReplaceMe on `model`: its selection (unless `start` is given) and its fit, the ridge chosen on `validation`.
+              ridges: tuple[float, ...] = RIDGES, batch_size: int = 1, **session_args) -> BlockFit:
+    """ReplaceMe on `model`: its selection and its fit, the ridge chosen on `validation`.
 
     Raises:
         LayerdropError: no such run, or fewer calibration tokens than the hidden size.
     """
-    if start is not None:
-        statistics = run_statistics(model, folder, windows, [(start, count)], **session_args)[start, count]
-        return _fitted(model, folder, start, count, statistics, {}, validation, ridges, batch_size, session_args)
     return replaceme_runs(model, folder, windows, [count], validation=validation, ridges=ridges,
                           batch_size=batch_size, **session_args)[count]
 
@@ -153,7 +150,9 @@ def replaceme_runs(model: ir.Model, folder: Path, windows: Windows, counts: list
                    validation: np.ndarray | None = None, ridges: tuple[float, ...] = RIDGES, batch_size: int = 1,
                    **session_args) -> dict[int, BlockFit]:
     """`replaceme` for several run lengths (count -> its fitted run), each with its own selection: the windows run
-    once for all the selections and once for all the fits' statistics.
+    once for all the selections and once for all the fits' statistics. Every ridge's validation perplexity runs from
+    the hidden state entering its run's first kept block (the unmodified model's, computed once for every run), since
+    the blocks below compute what the unmodified model's do.
 
     Raises:
         LayerdropError: no such run, or fewer calibration tokens than the hidden size.
@@ -161,14 +160,19 @@ def replaceme_runs(model: ir.Model, folder: Path, windows: Windows, counts: list
     counts = sorted(set(counts))
     starts = replaceme_starts(model, folder, windows, counts, **session_args)
     statistics = run_statistics(model, folder, windows, [(starts[n][0], n) for n in counts], **session_args)
-    return {n: _fitted(model, folder, starts[n][0], n, statistics[starts[n][0], n], starts[n][1], validation, ridges,
-                       batch_size, session_args) for n in counts}
+    entering = {}
+    if validation is not None:
+        entering = hidden_states_at(model, folder, validation, sorted({starts[n][0] for n in counts}), **session_args)
+    return {n: _fitted(model, folder, starts[n][0], n, statistics[starts[n][0], n], starts[n][1], validation,
+                       entering.get(starts[n][0]), ridges, batch_size, session_args) for n in counts}
 
 
 def _fitted(model: ir.Model, folder: Path, start: int, count: int, statistics: tuple, distances: dict,
-            validation: np.ndarray | None, ridges: tuple[float, ...], batch_size: int, session_args: dict) -> BlockFit:
+            validation: np.ndarray | None, entering: np.ndarray | None, ridges: tuple[float, ...], batch_size: int,
+            session_args: dict) -> BlockFit:
     """The run's transform for each ridge, the one with the lowest perplexity on `validation` kept (the middle
-    ridge without).
+    ridge without); each perplexity from the graph after block `start`'s entry, fed `entering` (the hidden state
+    there for every validation window).
 
     Raises:
         TooFewTokens: fewer calibration tokens than the hidden size.
@@ -183,11 +187,13 @@ def _fitted(model: ir.Model, folder: Path, start: int, count: int, statistics: t
         chosen = ridges[len(ridges) // 2]
     else:
         scores = {}
+        entries = attention_entries(model)
         for ridge, transform in candidates.items():
-            replaced = with_replaced_run(model, start, count, transform)
-            TokenLogprobsPass()(replaced)
-            session = make_session(replaced, folder=folder, **session_args)
-            scores[ridge] = perplexity(session, validation, batch_size=batch_size).perplexity
+            graph = suffix_to_logits(with_replaced_run(model, start, count, transform), entries[start])
+            TokenLogprobsPass()(graph)
+            session = make_session(graph, folder=folder, **session_args)
+            scores[ridge] = perplexity(session, validation, batch_size=batch_size,
+                                       feed_extra=lambda rows: {HIDDEN_INPUT: entering[rows]}).perplexity
             trials.append({"ridge": ridge, "perplexity": scores[ridge]})
         chosen = min(scores, key=lambda r: (scores[r], -r))
     return BlockFit(start, count, candidates[chosen], chosen, distances, trials)
