@@ -7,7 +7,8 @@ the choice of layers do, and on what must it be made?
 Maps are fitted as `plan --calib prose --self-samples 64` fits them (64 x 256 windows of --calib, plus 64 windows
 the model writes itself), each layer's ridge chosen on 16 search windows of --choose-on (`calib`, the bundled mix,
 as the README's cross-kind run; `code`, the held-out kind itself, for an upper bound that no planner can have: those
-windows may share text with the held-out ones). The planner's lazy greedy (`search.planner.plan_fits`) then chooses
+windows may share text with the held-out ones; `self`, 16 windows the model writes itself from other draws than the
+fits' samples; `calib+self`, both). The planner's lazy greedy (`search.planner.plan_fits`) then chooses
 --budget layers of the --budget + --extra lowest-scored (22 and more: every layer of SmolLM2) on those windows, by
 their perplexity (`--criterion mean`, what `plan` does) or by the mean loss increase of the worst quarter of them
 against the unmodified model (`worst`: a choice that guards the kind it hurts most). The pick, fitted bottom-up as
@@ -35,7 +36,7 @@ from layerdrop.runtime.feeds import prefill_feed
 from layerdrop.runtime.session import make_session
 from layerdrop.search.fit import fit_attention, solo_fits
 from layerdrop.search.planner import candidate_pool, plan_fits
-from layerdrop.windows import bundled_text, resolve_text
+from layerdrop.windows import Windows, bundled_text, resolve_text
 
 HELD_OUT = ("eval", "docs", "code", "dictionary")
 
@@ -71,8 +72,15 @@ def main() -> None:
     folder, model = open_model(args.scored)
     calib = windows_for(folder.path, resolve_text(args.calib), role="calib", samples=64, seq_len=256)
     sha = calib.source["sha256"]
-    search = windows_for(folder.path, resolve_text(args.choose_on), role="search", samples=16, seq_len=256,
-                         calibration_sha256=sha)
+    parts = []
+    for text in args.choose_on.split("+"):
+        if text == "self":  # windows the model writes itself, from other draws than the fits' samples
+            empty = Windows(calib.ids[:0], {}, calib.bos)
+            parts.append(with_self_samples(model, folder.path, empty, 16, 1, False, {"threads": args.threads}))
+        else:
+            parts.append(windows_for(folder.path, resolve_text(text), role="search", samples=16, seq_len=256,
+                                     calibration_sha256=sha))
+    search = Windows(np.concatenate([p.ids for p in parts]), parts[0].source, calib.bos)
     held_out = {name: windows_for(folder.path, bundled_text(name), role="eval", samples=32, seq_len=256,
                                   calibration_sha256=sha) for name in HELD_OUT}
     if args.self_samples:
