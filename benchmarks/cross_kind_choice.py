@@ -5,14 +5,17 @@ the choice of layers do, and on what must it be made?
         [--criterion mean|worst] [--self-samples 64]
 
 Maps are fitted as `plan --calib prose --self-samples 64` fits them (64 x 256 windows of --calib, plus 64 windows
-the model writes itself), each layer's ridge chosen on 16 search windows of --choose-on (`calib`, the bundled mix,
-as the README's cross-kind run; `code`, the held-out kind itself, for an upper bound that no planner can have: those
-windows may share text with the held-out ones; `self`, 16 windows the model writes itself from other draws than the
-fits' samples; `calib+self`, both). The planner's lazy greedy (`search.planner.plan_fits`) then chooses
---budget layers of the --budget + --extra lowest-scored (22 and more: every layer of SmolLM2) on those windows, by
-their perplexity (`--criterion mean`, what `plan` does) or by the mean loss increase of the worst quarter of them
-against the unmodified model (`worst`: a choice that guards the kind it hurts most). The pick, fitted bottom-up as
-`plan` fits it, is measured on 32 x 256 held-out windows of the bundled eval, docs, code and dictionary texts.
+the model writes itself), each layer's ridge chosen on the search windows (those of the first text of --choose-on
+only, with --ridges-on-first). The search windows: 16 of each text of --choose-on (`calib`, the bundled mix, as the
+README's cross-kind run; `code`, the held-out kind itself, for an upper bound that no planner can have: those windows
+may share text with the held-out ones; `self`, windows the model writes itself from other draws than the fits'
+samples; `repeat`, --repeats windows of random tokens repeated once, whose second half is predictable only by
+in-context copying; several joined by +, as `calib+repeat`). The planner's lazy greedy (`search.planner.plan_fits`)
+then chooses --budget layers of the --budget + --extra lowest-scored (22 and more: every layer of SmolLM2) on those
+windows, by their perplexity (`--criterion mean`, what `plan` does) or by the mean loss increase of the worst quarter
+of them against the unmodified model (`worst`: a choice that guards the kind it hurts most). The pick, fitted
+bottom-up as `plan` fits it, is measured on 32 x 256 held-out windows of the bundled eval, docs, code and dictionary
+texts.
 SCORED: an export with a KV cache scored on --calib (`layerdrop score --calib prose`).
 """
 
@@ -57,6 +60,24 @@ def window_losses(session, windows: np.ndarray, feed_extra=None) -> np.ndarray:
     return np.array(losses)
 
 
+def repeated_windows(folder: Path, model, calib: Windows, count: int) -> np.ndarray:
+    """`count` windows as wide as the calibration's: random ordinary tokens (after the BOS where the windows have
+    one), then the same tokens again, so the second half is predictable only by copying from the context."""
+    from layerdrop import model_folder
+    from layerdrop.windows import load_tokenizer
+
+    tokenizer = load_tokenizer(folder)
+    special = {i for i, token in tokenizer.tokenizer.get_added_tokens_decoder().items() if token.special}
+    size = min(tokenizer.tokenizer.get_vocab_size(), model_folder.config(folder).get("vocab_size") or 10**9)
+    ordinary = np.array([i for i in range(size) if i not in special], dtype=np.int64)
+    width = calib.ids.shape[1] - calib.bos
+    half = np.random.default_rng(2).choice(ordinary, (count, (width + 1) // 2))
+    rows = np.concatenate([half, half], axis=1)[:, :width]
+    if calib.bos:
+        rows = np.concatenate([calib.ids[:count, :1], rows], axis=1)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("scored", type=Path)
@@ -67,6 +88,9 @@ def main() -> None:
     parser.add_argument("--criterion", choices=("mean", "worst"), default="mean")
     parser.add_argument("--self-samples", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=4, help="windows of `repeat` in --choose-on")
+    parser.add_argument("--ridges-on-first", action="store_true",
+                        help="choose the ridges on the first text of --choose-on only (the layers on all of them)")
     args = parser.parse_args()
     started = time.perf_counter()
     folder, model = open_model(args.scored)
@@ -77,10 +101,13 @@ def main() -> None:
         if text == "self":  # windows the model writes itself, from other draws than the fits' samples
             empty = Windows(calib.ids[:0], {}, calib.bos)
             parts.append(with_self_samples(model, folder.path, empty, 16, 1, False, {"threads": args.threads}))
+        elif text == "repeat":  # in-context copying: random ordinary tokens, then the same tokens again
+            parts.append(Windows(repeated_windows(folder.path, model, calib, args.repeats), {}, calib.bos))
         else:
             parts.append(windows_for(folder.path, resolve_text(text), role="search", samples=16, seq_len=256,
                                      calibration_sha256=sha))
     search = Windows(np.concatenate([p.ids for p in parts]), parts[0].source, calib.bos)
+    ridge_windows = parts[0] if args.ridges_on_first else search
     held_out = {name: windows_for(folder.path, bundled_text(name), role="eval", samples=32, seq_len=256,
                                   calibration_sha256=sha) for name in HELD_OUT}
     if args.self_samples:
@@ -99,14 +126,14 @@ def main() -> None:
 
         alpha_search.perplexity = guarded
     pool = candidate_pool(scores, args.budget, args.extra)
-    solo = solo_fits(model, folder.path, calib, pool, validation=search, threads=args.threads)
+    solo = solo_fits(model, folder.path, calib, pool, validation=ridge_windows, threads=args.threads)
     planned = plan_fits(model, folder.path, search.ids, scores, args.budget, solo=solo, extra=args.extra,
                         progress=False, threads=args.threads)
     if args.criterion == "worst":
         alpha_search.perplexity = plain
     chosen = sorted(planned.fits)
     _, fitted = open_model(args.scored)
-    fit = fit_attention(fitted, folder.path, calib, chosen, validation=search, threads=args.threads)
+    fit = fit_attention(fitted, folder.path, calib, chosen, validation=ridge_windows, threads=args.threads)
     run_passes(fitted, rewrite_passes([], {}, "fit", fits=fit.maps))
     rows = {}
     for name, candidate in (("baseline", model), ("pick", fitted)):

@@ -126,7 +126,7 @@ def _climb(session, streams: list[_Stream], target: str, batch_size: int) -> Non
 def _with_maps(model: ir.Model, maps: dict[int, tuple[np.ndarray, np.ndarray]]) -> ir.Model:
     """A copy of `model` with `maps` in place of those layers' attention (their caches gone), annotated again."""
     copy = copy_model(model)
-    run_passes(copy, move_passes(fits=maps))
+    run_passes(copy, move_passes(fits=maps, reason="fit"))
     return copy
 
 
