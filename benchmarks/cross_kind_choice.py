@@ -6,16 +6,16 @@ the choice of layers do, and on what must it be made?
 
 Maps are fitted as `plan --calib prose --self-samples 64` fits them (64 x 256 windows of --calib, plus 64 windows
 the model writes itself), each layer's ridge chosen on the search windows (those of the first text of --choose-on
-only, with --ridges-on-first). The search windows: 16 of each text of --choose-on (`calib`, the bundled mix, as the
-README's cross-kind run; `code`, the held-out kind itself, for an upper bound that no planner can have: those windows
-may share text with the held-out ones; `self`, windows the model writes itself from other draws than the fits'
-samples; `repeat`, --repeats windows of random tokens repeated once, whose second half is predictable only by
-in-context copying; several joined by +, as `calib+repeat`). The planner's lazy greedy (`search.planner.plan_fits`)
-then chooses --budget layers of the --budget + --extra lowest-scored (22 and more: every layer of SmolLM2) on those
-windows, by their perplexity (`--criterion mean`, what `plan` does) or by the mean loss increase of the worst quarter
-of them against the unmodified model (`worst`: a choice that guards the kind it hurts most). The pick, fitted
-bottom-up as `plan` fits it, is measured on 32 x 256 held-out windows of the bundled eval, docs, code and dictionary
-texts.
+only, with --ridges-on-first). The search windows: --per-text (16) of each text of --choose-on (`calib`, the bundled
+mix, as the README's cross-kind run; `code`, the held-out kind itself, for an upper bound that no planner can have:
+those windows may share text with the held-out ones; `self`, windows the model writes itself from other draws than
+the fits' samples; `repeat`, --repeats windows of random tokens repeated once, whose second half is predictable only
+by in-context copying; any file; several joined by +, as `calib+repeat`). The planner's lazy greedy
+(`search.planner.plan_fits`) then chooses --budget layers of the --budget + --extra lowest-scored (22 and more: every
+layer of SmolLM2) on those windows, by their perplexity (`--criterion mean`, what `plan` does) or by the mean loss
+increase of the worst quarter of them against the unmodified model (`worst`: a choice that guards the kind it hurts
+most). The pick, fitted bottom-up as `plan` fits it, is measured on 32 x 256 held-out windows of the bundled eval,
+docs, code and dictionary texts.
 SCORED: an export with a KV cache scored on --calib (`layerdrop score --calib prose`).
 """
 
@@ -88,6 +88,7 @@ def main() -> None:
     parser.add_argument("--criterion", choices=("mean", "worst"), default="mean")
     parser.add_argument("--self-samples", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--per-text", type=int, default=16, help="search windows of each text of --choose-on")
     parser.add_argument("--repeats", type=int, default=4, help="windows of `repeat` in --choose-on")
     parser.add_argument("--ridges-on-first", action="store_true",
                         help="choose the ridges on the first text of --choose-on only (the layers on all of them)")
@@ -100,12 +101,13 @@ def main() -> None:
     for text in args.choose_on.split("+"):
         if text == "self":  # windows the model writes itself, from other draws than the fits' samples
             empty = Windows(calib.ids[:0], {}, calib.bos)
-            parts.append(with_self_samples(model, folder.path, empty, 16, 1, False, {"threads": args.threads}))
+            parts.append(with_self_samples(model, folder.path, empty, args.per_text, 1, False,
+                                           {"threads": args.threads}))
         elif text == "repeat":  # in-context copying: random ordinary tokens, then the same tokens again
             parts.append(Windows(repeated_windows(folder.path, model, calib, args.repeats), {}, calib.bos))
         else:
-            parts.append(windows_for(folder.path, resolve_text(text), role="search", samples=16, seq_len=256,
-                                     calibration_sha256=sha))
+            parts.append(windows_for(folder.path, resolve_text(text), role="search", samples=args.per_text,
+                                     seq_len=256, calibration_sha256=sha))
     search = Windows(np.concatenate([p.ids for p in parts]), parts[0].source, calib.bos)
     ridge_windows = parts[0] if args.ridges_on_first else search
     held_out = {name: windows_for(folder.path, bundled_text(name), role="eval", samples=32, seq_len=256,
