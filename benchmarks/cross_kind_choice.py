@@ -30,7 +30,7 @@ import numpy as np
 
 import layerdrop.search.alpha_search as alpha_search
 from layerdrop.api.common import open_model, rewrite_passes, windows_for
-from layerdrop.api.plan import with_self_samples
+from layerdrop.api.plan import ordinary_tokens, with_self_samples
 from layerdrop.formats import TOKEN_LOGPROBS
 from layerdrop.passes.attach_scores import read_scores
 from layerdrop.passes.cleanup import run_passes
@@ -39,7 +39,7 @@ from layerdrop.runtime.feeds import prefill_feed
 from layerdrop.runtime.session import make_session
 from layerdrop.search.fit import fit_attention, solo_fits
 from layerdrop.search.planner import candidate_pool, plan_fits
-from layerdrop.windows import Windows, bundled_text, resolve_text
+from layerdrop.windows import Windows, bundled_text, load_tokenizer, resolve_text
 
 HELD_OUT = ("eval", "docs", "code", "dictionary")
 
@@ -60,16 +60,10 @@ def window_losses(session, windows: np.ndarray, feed_extra=None) -> np.ndarray:
     return np.array(losses)
 
 
-def repeated_windows(folder: Path, model, calib: Windows, count: int) -> np.ndarray:
+def repeated_windows(folder: Path, calib: Windows, count: int) -> np.ndarray:
     """`count` windows as wide as the calibration's: random ordinary tokens (after the BOS where the windows have
     one), then the same tokens again, so the second half is predictable only by copying from the context."""
-    from layerdrop import model_folder
-    from layerdrop.windows import load_tokenizer
-
-    tokenizer = load_tokenizer(folder)
-    special = {i for i, token in tokenizer.tokenizer.get_added_tokens_decoder().items() if token.special}
-    size = min(tokenizer.tokenizer.get_vocab_size(), model_folder.config(folder).get("vocab_size") or 10**9)
-    ordinary = np.array([i for i in range(size) if i not in special], dtype=np.int64)
+    ordinary = ordinary_tokens(load_tokenizer(folder), folder)
     width = calib.ids.shape[1] - calib.bos
     half = np.random.default_rng(2).choice(ordinary, (count, (width + 1) // 2))
     rows = np.concatenate([half, half], axis=1)[:, :width]
@@ -104,7 +98,7 @@ def main() -> None:
             parts.append(with_self_samples(model, folder.path, empty, args.per_text, 1, False,
                                            {"threads": args.threads}))
         elif text == "repeat":  # in-context copying: random ordinary tokens, then the same tokens again
-            parts.append(Windows(repeated_windows(folder.path, model, calib, args.repeats), {}, calib.bos))
+            parts.append(Windows(repeated_windows(folder.path, calib, args.repeats), {}, calib.bos))
         else:
             parts.append(windows_for(folder.path, resolve_text(text), role="search", samples=args.per_text,
                                      seq_len=256, calibration_sha256=sha))

@@ -804,15 +804,21 @@ class _Phases:
                   flush=True)
 
 
+def ordinary_tokens(tokenizer, folder: Path) -> np.ndarray:
+    """The ordinary token ids of `tokenizer` (the folder's; special ones left out) below the model's vocabulary
+    size."""
+    special = {i for i, token in tokenizer.tokenizer.get_added_tokens_decoder().items() if token.special}
+    size = min(tokenizer.tokenizer.get_vocab_size(), model_folder.config(folder).get("vocab_size") or sys.maxsize)
+    return np.array([i for i in range(size) if i not in special], dtype=np.int64)
+
+
 def with_self_samples(model: ir.Model, folder: Path, windows: Windows, count: int, seed: int, progress: bool,
                       session_args: dict) -> Windows:
     """`windows` and `count` more that the model writes itself, as wide, from a first token drawn among the
     tokenizer's ordinary tokens (special ones left out) below the model's vocabulary size, after the BOS where the
     windows have one (`runtime.generate.sample_windows`)."""
     tokenizer = load_tokenizer(folder)
-    special = {i for i, token in tokenizer.tokenizer.get_added_tokens_decoder().items() if token.special}
-    size = min(tokenizer.tokenizer.get_vocab_size(), model_folder.config(folder).get("vocab_size") or sys.maxsize)
-    first = np.array([i for i in range(size) if i not in special], dtype=np.int64)
+    first = ordinary_tokens(tokenizer, folder)
     bar = tqdm(total=count, desc="sampling calibration windows from the model", unit="window", disable=not progress,
                leave=False)
     sampled = sample_windows(make_session(model, folder=folder, **session_args), count, windows.ids.shape[1], first,
