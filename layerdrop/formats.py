@@ -60,6 +60,29 @@ def kv_name(prefix: str, index: int, part: str) -> str:
     return f"{prefix}.{index}.{part}"
 
 
+# -- the one-token state of a map that reads the previous token (`plan --fit-previous`) ------------------------------
+STATE_NAME = re.compile(r"^(past|present)_fit\.(\d+)$")
+
+
+def state_name(prefix: str, layer: int) -> str:
+    """past_fit.{layer} (the previous token's normalized input, [batch, 1, d]) or present_fit.{layer}."""
+    return f"{prefix}_fit.{layer}"
+
+
+def is_state_past(name: str | None) -> bool:
+    """A previous-token state input: past_fit.{layer}."""
+    match = STATE_NAME.match(name or "")
+    return bool(match) and match.group(1) == "past"
+
+
+def is_carried(name: str | None) -> bool:
+    """An output the next step takes back as an input: a cache output, or a previous-token state."""
+    match = STATE_NAME.match(name or "")
+    return is_present(name) or (bool(match) and match.group(1) == "present")
+
+
 def past_for(present: str) -> str:
-    """The cache input a cache output feeds at the next step."""
+    """The input a carried output (cache or state) feeds at the next step."""
+    if present.startswith("present_fit."):
+        return "past_fit." + present.removeprefix("present_fit.")
     return "past_key_values." + present.removeprefix("present.")

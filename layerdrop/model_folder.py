@@ -203,12 +203,13 @@ def save(
     source: ModelFolder | None,
     force: bool = False,
     extra_files: dict[str, str] | None = None,
+    leave_out: frozenset[str] = frozenset(),
 ) -> Path:
     """Write `model` as a complete model folder, atomically.
 
     The folder gets model.onnx, model.onnx.data (only the initializers the graph still holds), every other
     file of the source folder (tokenizer, configs), and `extra_files` (name -> text) which replace those (a
-    genai_config.json that follows the rewrite, say).
+    genai_config.json that follows the rewrite, say); files named in `leave_out` are not copied.
 
     Raises:
         LayerdropError: refused output; OutputError: the disk filled or the folder cannot be written.
@@ -220,7 +221,7 @@ def save(
             staged = Path(tmp) / "model"
             staged.mkdir()
             if source is not None:
-                data_files = {MODEL_NAME, DATA_NAME, source.onnx_path.name}
+                data_files = {MODEL_NAME, DATA_NAME, source.onnx_path.name, *leave_out}
                 for item in sorted(source.path.iterdir()):
                     if item.is_file() and item.name not in data_files and not item.name.endswith(".data"):
                         shutil.copy2(item, staged / item.name)

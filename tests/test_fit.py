@@ -14,7 +14,7 @@ from layerdrop.search.fit import fit_attention, normal_equations, solo_fits, sol
 from layerdrop.windows import Windows
 from tests.conftest import ALL_FAMILIES
 from tests.helpers import ort_logits, session
-from tests.torch_reference import VOCAB, attention_io, fitted, logits, tiny_model
+from tests.torch_reference import VOCAB, attention_io, fitted, logits, tiny_model, with_maps
 
 LAYERS = [1, 3]
 RIDGE = 1e-2
@@ -124,3 +124,69 @@ def test_a_fit_on_fewer_tokens_than_the_hidden_size_is_refused(exported, rng):
     folder, model = api.open_model(exported("llama", True))
     with pytest.raises(LayerdropError, match="at least 33 calibration tokens"):
         fit_attention(model, folder.path, Windows(rng.randint(0, VOCAB, size=(1, 20)), {}), [1])
+
+
+@pytest.mark.parametrize("family,cache", [(f, True) for f in ALL_FAMILIES] + [("llama", False)])
+def test_maps_that_read_the_previous_token_equal_torch(exported, family, cache, rng, tmp_path):
+    """--fit-previous: [Norm(X)_t, Norm(X)_{t-1}] W + b, fitted bottom-up, equals lstsq on PyTorch's states and
+    PyTorch's model with those maps; with a cache, the layers' KV inputs give way to one-token states."""
+    folder, model = api.open_model(exported(family, cache))
+    windows = rng.randint(0, VOCAB, size=(4, 24))
+    fit = fit_attention(model, folder.path, Windows(windows, {}), LAYERS, ridges=(RIDGE,), previous=True)
+    reference, maps = fitted(tiny_model(family), windows, LAYERS, RIDGE, previous=True)
+    for layer in LAYERS:
+        assert fit.maps[layer][0].shape == (2 * fit.maps[layer][0].shape[1], fit.maps[layer][0].shape[1])
+        np.testing.assert_allclose(fit.maps[layer][0], maps[layer][0], atol=1e-4)
+        np.testing.assert_allclose(fit.maps[layer][1], maps[layer][1], atol=1e-4)
+    run_passes(model, api.rewrite_passes([], {}, "fit", fits=fit.maps))
+    save(model, tmp_path / "fitted", source=folder)
+    ids = rng.randint(0, VOCAB, size=(1, 11))
+    np.testing.assert_allclose(ort_logits(tmp_path / "fitted", ids), logits(reference, ids), atol=1e-4, rtol=0)
+    inputs = [i.name for i in session(tmp_path / "fitted").get_inputs()]
+    states = [n for n in inputs if n.startswith("past_fit")]
+    if cache:
+        assert [n for n in inputs if n.startswith("past_key_values")] == [
+            f"past_key_values.{i}.{p}" for i in (0, 1) for p in ("key", "value")]
+        assert sorted(states) == [f"past_fit.{layer}" for layer in LAYERS]
+        assert api.inspect(tmp_path / "fitted")["state_layers"] == LAYERS
+    else:
+        assert not states
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_the_previous_tokens_state_is_carried_from_step_to_step_and_padding_is_masked(exported, family, rng,
+                                                                                       tmp_path):
+    """Greedy decoding of a left-padded batch through the cache, prefilled 3 tokens at a time (so a piece boundary
+    falls inside the padding), gives each prompt the tokens and logits PyTorch gives it alone, without a cache."""
+    from layerdrop.runtime.generate import greedy_batch, left_pad
+    from tests.torch_reference import greedy
+
+    folder, model = api.open_model(exported(family, True))
+    windows = rng.randint(0, VOCAB, size=(4, 24))
+    fit = fit_attention(model, folder.path, Windows(windows, {}), LAYERS, ridges=(RIDGE,), previous=True)
+    run_passes(model, api.rewrite_passes([], {}, "fit", fits=fit.maps))
+    save(model, tmp_path / "fitted", source=folder)
+    reference = with_maps(tiny_model(family), fit.maps)
+    prompts = [list(rng.randint(0, VOCAB, size=7)), list(rng.randint(0, VOCAB, size=2))]
+    ids, mask = left_pad(prompts, 0)
+    tokens, found = greedy_batch(session(tmp_path / "fitted"), ids, mask, 5, keep_logits=True, prefill_chunk=3)
+    for row, prompt in enumerate(prompts):
+        expected_tokens, expected_logits = greedy(reference, np.array([prompt]), 5)
+        assert tokens[row] == expected_tokens
+        np.testing.assert_allclose(np.array(found[row]), np.array(expected_logits), atol=1e-4, rtol=0)
+
+
+def test_the_gated_fit_graph_takes_maps_that_read_the_previous_token(exported, rng):
+    """The fit search's graph with maps of [X_t, X_{t-1}]: any set of them in place of attention, against PyTorch's
+    loss with the same maps."""
+    from layerdrop.search.alpha_search import GatedSuffix
+    from tests.torch_reference import perplexity as torch_perplexity
+
+    folder, model = api.open_model(exported("llama", True))
+    windows, search = rng.randint(0, VOCAB, size=(4, 24)), rng.randint(0, VOCAB, size=(2, 16))
+    solo = solo_fits(model, folder.path, Windows(windows, {}), LAYERS, ridges=(RIDGE,), previous=True)
+    torch_model = tiny_model("llama")
+    suffix = GatedSuffix(model, folder.path, search, LAYERS, fits=solo.maps)
+    for moved in ([LAYERS[1]], LAYERS):
+        expected = torch_perplexity(with_maps(torch_model, {k: solo.maps[k] for k in moved}), search)
+        assert suffix.perplexity(dict.fromkeys(moved, 0.0), LAYERS[0]) == pytest.approx(expected, rel=1e-4)

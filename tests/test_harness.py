@@ -181,6 +181,31 @@ def test_pruned_folder_matches_torch_with_modules_removed(exported, hf_folder, t
     assert not np.allclose(_loglikelihoods(base, "ld_mc"), _loglikelihoods(ours, "ld_mc"), atol=1e-3)
 
 
+def test_maps_that_read_the_previous_token_match_lm_eval_hf_model(exported, hf_folder, tasks, tmp_path):
+    """Log-likelihoods of a model whose fitted maps read the previous token (a context run into the cache, its
+    one-token states carried to the choices) equal lm-eval's `hf` model with the same maps in PyTorch."""
+    from layerdrop.model_folder import save
+    from layerdrop.passes.cleanup import run_passes
+    from layerdrop.runtime.harness import LayerdropLM
+    from layerdrop.search.fit import fit_attention
+    from layerdrop.windows import Windows
+    from tests.torch_reference import VOCAB, with_maps
+
+    folder, model = api.open_model(exported("llama", True))
+    windows = np.random.RandomState(3).randint(0, VOCAB, size=(4, 24))
+    fit = fit_attention(model, folder.path, Windows(windows, {}), [1, 3], ridges=(1e-2,), previous=True)
+    run_passes(model, api.rewrite_passes([], {}, "fit", fits=fit.maps))
+    out = tmp_path / "fitted"
+    save(model, out, source=folder)
+    names = ("ld_mc", "ld_roll")  # lm-eval's hf model generates through its cache, which the PyTorch maps do not read
+    ours = _evaluate(LayerdropLM(path=str(out), batch_size=3), tasks, names=names)
+    reference = _evaluate(_hf_model(with_maps(_hf_reference(hf_folder), fit.maps), out), tasks, names=names)
+    for task in names:
+        a, b = _loglikelihoods(ours, task), _loglikelihoods(reference, task)
+        assert a.shape == b.shape and a.size > 0
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=0, err_msg=task)
+
+
 def test_long_context_is_truncated_like_hf(exported, hf_folder, tasks):
     """Contexts longer than max_length keep their last tokens, as lm-eval's hf model does."""
     from layerdrop.runtime.harness import LayerdropLM

@@ -281,6 +281,22 @@ class _Fitted(torch.nn.Module):
         return hidden_states @ self.weight + self.bias, None
 
 
+class _FittedPrevious(_Fitted):
+    """An attention module replaced by a map of its input and the previous token's: [x_t, x_{t-1}] W + b, x_{-1} = 0
+    (whole sequences only: no cache, no padding)."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        before = torch.cat([torch.zeros_like(hidden_states[:, :1]), hidden_states[:, :-1]], dim=1)
+        return torch.cat([hidden_states, before], dim=-1) @ self.weight + self.bias, None
+
+
+def with_previous(states: np.ndarray, rows: int) -> np.ndarray:
+    """[x_t, x_{t-1}] (x_{-1} = 0) of the flattened states of `rows` equal-length windows."""
+    states = states.reshape(rows, -1, states.shape[-1])
+    before = np.concatenate([np.zeros_like(states[:, :1]), states[:, :-1]], axis=1)
+    return np.concatenate([states, before], axis=-1).reshape(-1, 2 * states.shape[-1])
+
+
 def attention_io(model: torch.nn.Module, windows: np.ndarray, index: int) -> tuple[np.ndarray, np.ndarray]:
     """(normalized input, branch output) of layer `index`'s attention at every token of `windows`, float64, from
     PyTorch hooks; the branch output is taken after a post-attention norm where the family has one."""
@@ -301,17 +317,19 @@ def attention_io(model: torch.nn.Module, windows: np.ndarray, index: int) -> tup
     return torch.cat(states).numpy(), torch.cat(targets).numpy()
 
 
-def fitted(model: torch.nn.Module, windows: np.ndarray, layers, ridge: float):
+def fitted(model: torch.nn.Module, windows: np.ndarray, layers, ridge: float, previous: bool = False):
     """The reference for the fit move, fitted here from PyTorch hooks: bottom-up, each layer's attention input
-    (normalized X) mapped to its branch output (after a post-attention norm, which goes too), by a ridge solve of the
-    augmented least squares (lambda = ridge * mean(diag(A^T A))) written with numpy's lstsq. Returns the model with
-    the maps in place and the maps."""
+    (normalized X; with `previous`, [X_t, X_{t-1}] within each window) mapped to its branch output (after a
+    post-attention norm, which goes too), by a ridge solve of the augmented least squares (lambda = ridge *
+    mean(diag(A^T A))) written with numpy's lstsq. Returns the model with the maps in place and the maps."""
     model = copy.deepcopy(model)
     dtype = next(model.parameters()).dtype
     maps = {}
     for index in sorted(layers):
         layer = model.model.layers[index]
         x, y = attention_io(model, windows, index)
+        if previous:
+            x = with_previous(x, len(windows))
         a = np.concatenate([x, np.ones((len(x), 1))], axis=1)
         lam = ridge * np.mean(np.sum(a * a, axis=0))
         stacked = np.concatenate([a, np.sqrt(lam) * np.eye(a.shape[1])])
@@ -331,7 +349,7 @@ def with_maps(model: torch.nn.Module, maps: dict) -> torch.nn.Module:
 
 
 def _put_map(layer: torch.nn.Module, weight: np.ndarray, bias: np.ndarray, dtype) -> None:
-    layer.self_attn = _Fitted(weight, bias, dtype)
+    layer.self_attn = (_FittedPrevious if len(weight) == 2 * weight.shape[1] else _Fitted)(weight, bias, dtype)
     if hasattr(layer, "post_feedforward_layernorm"):  # the post-attention norm goes with the branch
         layer.post_attention_layernorm = torch.nn.Identity()
 

@@ -6,14 +6,15 @@ from pathlib import Path
 
 from layerdrop import model_folder
 from layerdrop.api.common import open_model
-from layerdrop.formats import FAMILY_KEY
+from layerdrop.formats import FAMILY_KEY, STATE_NAME, is_state_past
 from layerdrop.passes.attach_scores import read_scores
 from layerdrop.passes.find_residuals import annotated_regions
 from layerdrop.passes.metadata import calibration_record, kv_bytes_per_token, kv_layer_map, removed_modules
 
 
 def inspect(model_path: Path) -> dict:
-    """Describe a model folder: regions with their scores, KV bytes per token, what was removed."""
+    """Describe a model folder: regions with their scores, KV bytes per token, the layers whose fitted maps carry a
+    previous-token state (`plan --fit-previous`), what was removed."""
     folder, model = open_model(model_path)
     regions = annotated_regions(model)
     scores = {(r["kind"], r["layer"]): r for r in read_scores(model, regions)}
@@ -34,6 +35,8 @@ def inspect(model_path: Path) -> dict:
         "blocks": sorted(blocks, key=lambda r: r["layer"]),
         "kv_bytes_per_token": kv_bytes_per_token(model),
         "kv_layers": kv_layer_map(model),
+        "state_layers": sorted(int(STATE_NAME.match(v.name).group(2)) for v in model.graph.inputs
+                               if is_state_past(v.name)),
         "removed": removed_modules(model),
         "calibration": calibration_record(model),
     }

@@ -183,6 +183,7 @@ def plan(
     shift: bool = True,
     per_layer_moves: bool = False,
     self_samples: int = 0,
+    fit_previous: bool = False,
     provider: str = "cpu",
     threads: int | None = None,
     force: bool = False,
@@ -231,7 +232,9 @@ def plan(
     With `self_samples` > 0, that many windows the model writes itself (`runtime.generate.sample_windows`: from a
     random first token, temperature 1, seeded by `sampling.seed`) join the calibration windows of every fit (the
     attention maps and ReplaceMe's transforms; not the means, the scores or the search): a prior toward the model's
-    own distribution where the calibration text is of one kind (the README's cross-kind run).
+    own distribution where the calibration text is of one kind (the README's cross-kind run). With `fit_previous`,
+    every fitted attention map also reads the previous token's normalized input (`search.fit`): the layer's KV cache
+    gives way to a one-token state that layerdrop's runtime carries and onnxruntime-genai cannot.
 
     Returns:
         {"budget", "attention_layers" (of the attention rows; blocks, without them), "block_count" (of the block
@@ -264,6 +267,8 @@ def plan(
         raise LayerdropError(f"--self-samples {self_samples}: give a number of windows, 0 or more")
     if self_samples and not allowed & {"fit", "blocks"}:
         raise LayerdropError("--self-samples adds windows to the fits' calibration: allow fit or blocks in --moves")
+    if fit_previous and "fit" not in allowed:
+        raise LayerdropError("--fit-previous shapes the fitted attention maps: allow fit in --moves")
     started = time.perf_counter()
     calib_windows, search, held_out = _plan_windows(folder.path, calib, eval_text, search_text, samples,
                                                     search_samples, eval_samples, seq_len, sampling)
@@ -295,7 +300,7 @@ def plan(
         base_session = make_session(model, folder=folder.path, **session_args)
         meter = PrefillMeter(model, folder.path, tokens, base_session, min(speedup_runs or SIZING_RUNS, SIZING_RUNS),
                              confirm_runs=speedup_runs,
-                             maps=bool(allowed & {"fit", "bypass"}), **session_args,
+                             maps=(1 + fit_previous) * bool(allowed & {"fit", "bypass"}), **session_args,
                              bar=tqdm(desc="sizing rows by measured prefill", unit="graph", disable=not progress,
                                       leave=False))
     skipped: list[str] = []  # default moves that these windows cannot support, with the reason
@@ -328,7 +333,7 @@ def plan(
         try:
             planned, rows = _fit_rows(model, folder.path, scores, count, extra, fit_windows, search, progress,
                                       search_args, grid if per_layer_moves else (),
-                                      calib_windows if "shift" in allowed else None, matched)
+                                      calib_windows if "shift" in allowed else None, matched, fit_previous)
             candidates += rows
         except TooFewTokens as exc:
             if moves is not None:  # asked for by name: the user must hear why it cannot be done
@@ -360,7 +365,7 @@ def plan(
         candidates += _block_methods(block_scores, block_count, runs)
         if runs:
             candidates += _mixed_methods(model, folder.path, meter, value, scores, sizes, runs, fit_windows,
-                                         search, allowed, progress, search_args, skipped)
+                                         search, allowed, progress, search_args, skipped, fit_previous)
     if meter is not None:
         meter.bar.close()
     phase(f"measuring {len(candidates)} rows on the search and held-out windows"
@@ -555,20 +560,20 @@ def _paper_methods(model: ir.Model, folder: Path, scores: dict[int, float], atte
 
 def _fit_rows(model: ir.Model, folder: Path, scores: dict[int, float], count: int, extra: int, fit_windows: Windows,
               search: Windows, progress: bool, search_args: dict, grid: tuple[float, ...] = (),
-              means_windows: Windows | None = None, matched: int | None = None) -> tuple:
+              means_windows: Windows | None = None, matched: int | None = None, previous: bool = False) -> tuple:
     """The planner's search over fits (each pool layer's map fitted alone on the unmodified model, layers added
     greedily by search perplexity; with a `grid` of alphas, each chosen layer's move then chosen again among its
     map, drop and bypass, mean-shifted with `means_windows`), and the rows of the layers it chose and of the
     lowest-scored layers, the maps of each set fitted bottom-up (on the model with the plan's drops and bypasses in
     place); with `matched`, also the row of the first `matched` layers the greedy search takes (it goes on past
-    `count`), fitted the same way: the planner at the block rows' speed (`_matched_count`). Returns (the search's
-    Plan, the rows).
+    `count`), fitted the same way: the planner at the block rows' speed (`_matched_count`). With `previous`, every
+    map also reads the previous token (`search.fit`). Returns (the search's Plan, the rows).
 
     Raises:
         TooFewTokens: the calibration windows cannot support a fit.
     """
     pool = candidate_pool(scores, count, extra)
-    solo = solo_fits(model, folder, fit_windows, pool, validation=search, **search_args)
+    solo = solo_fits(model, folder, fit_windows, pool, validation=search, previous=previous, **search_args)
     means = None
     if grid and means_windows is not None:
         means = branch_means(model, folder, means_windows, pool, provider=search_args["provider"],
@@ -579,7 +584,8 @@ def _fit_rows(model: ir.Model, folder: Path, scores: dict[int, float], count: in
 
     def row(name: str, base: ir.Model, layers: list[int], alphas: dict | None = None, shifted: dict | None = None):
         """A row with `layers` replaced by maps fitted bottom-up on `base` (the model with `alphas` applied)."""
-        fit = fit_attention(base, folder, fit_windows, layers, validation=search, progress=progress, **search_args)
+        fit = fit_attention(base, folder, fit_windows, layers, validation=search, progress=progress,
+                            previous=previous, **search_args)
         moves = ({"fit"} if layers else set()) | _moves_of(alphas or {}) | ({"shift"} if shifted else set())
         return Candidate(name, dict(alphas or {}), means=shifted, fits=fit.maps or None, ridges=fit.ridges,
                          moves=frozenset(moves))
@@ -752,11 +758,12 @@ def _mixed_sizes(block_count: int, allowed: frozenset) -> list[int]:
 
 def _mixed_methods(model: ir.Model, folder: Path, meter: PrefillMeter, value: float, scores: dict[int, float],
                    sizes: list[int], runs: dict[int, BlockFit], fit_windows: Windows, search: Windows,
-                   allowed: frozenset, progress: bool, search_args: dict, skipped: list[str]) -> list[Candidate]:
+                   allowed: frozenset, progress: bool, search_args: dict, skipped: list[str], previous: bool = False
+                   ) -> list[Candidate]:
     """Speedup budgets with block and attention moves allowed: ReplaceMe's run (its selection and fit) of each of
     `sizes` blocks (`_mixed_sizes`), then the lowest-scored attention layers outside the run, as few as reach the
     budget with it by measured prefill, fitted on the model with the run in place (or dropped, without the fit
-    move)."""
+    move; with `previous`, maps that also read the previous token)."""
     word = "fit" if "fit" in allowed else "drop" if "drop" in allowed else None
     if word is None:
         return []
@@ -776,7 +783,7 @@ def _mixed_methods(model: ir.Model, folder: Path, meter: PrefillMeter, value: fl
             continue
         try:
             fit = fit_attention(with_replaced_run(model, run.start, run.count, run.transform), folder, fit_windows,
-                                layers, validation=search, progress=progress, **search_args)
+                                layers, validation=search, progress=progress, previous=previous, **search_args)
         except TooFewTokens as exc:
             skipped.append(_skip(f"the runs with fitted attention left out: {exc}"))
             break

@@ -45,6 +45,8 @@ def cmd_inspect(args) -> int:
     kv = info["kv_bytes_per_token"]
     kv_text = f"{kv} bytes/token ({len(info['kv_layers'])} cached layers)" if kv else "none (no KV-cache inputs)"
     print(f"KV cache: {kv_text}")
+    if info["state_layers"]:
+        print(f"previous-token states (one token each, not KV): layers {' '.join(map(str, info['state_layers']))}")
     rows = info["regions"] + [{**b, "kind": "block"} for b in info["blocks"]]
     print_scores(rows)
     if info["calibration"]:
@@ -186,7 +188,8 @@ def cmd_plan(args) -> int:
                       eval_samples=args.eval_samples,
                       fit_samples=args.fit_samples, seq_len=args.seq_len, sampling=sampling(args),
                       batch_size=args.batch_size, extra=args.extra, moves=args.moves, shift=args.shift,
-                      per_layer_moves=args.per_layer_moves, self_samples=args.self_samples, force=args.force,
+                      per_layer_moves=args.per_layer_moves, self_samples=args.self_samples,
+                      fit_previous=args.fit_previous, force=args.force,
                       progress=_progress(args), quantize=args.quantize,
                       keep_float=args.keep_float, also_eval=args.also_eval,
                       accuracy_items=args.accuracy_items, speedup_tokens=args.speedup_tokens,

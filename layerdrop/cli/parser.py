@@ -248,6 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="windows the model writes itself (random first token, temperature 1) added to the fits' "
                    "calibration windows: a prior toward the model's own text where --calib is of one kind (default 0;"
                    " 64 take about 2 minutes for SmolLM2 on 2 cores)")
+    p.add_argument("--fit-previous", action="store_true",
+                   help="fitted attention maps also read the previous token's normalized input: better on kinds of "
+                   "text the calibration lacks; the layer's KV cache becomes a one-token state that layerdrop's "
+                   "runtime carries (past_fit.N / present_fit.N) and onnxruntime-genai cannot")
     _quantize_option(p)
     p.add_argument("--json", type=Path)
     _sampling_options(p)

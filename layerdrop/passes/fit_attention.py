@@ -3,6 +3,12 @@
 The whole branch goes, with the family's post-attention norm if it has one (Gemma): the residual Add then reads
 one MatMul + Add from the branch's normalized input. W and b come from a least-squares fit on calibration hidden
 states (`search.fit`); this pass only writes them. The layer's KV cache goes with `PruneKvCachePass`.
+
+A map of twice the hidden size in rows (`plan --fit-previous`) also reads the previous token's normalized input:
+[Norm(X)_t, Norm(X)_{t-1}] W + b, with Norm(X)_{-1} = 0 and a padded position's state taken as 0 (the mask). In a
+graph with a KV cache the previous token's state is carried from step to step as one input and one output per layer,
+`past_fit.{layer}` / `present_fit.{layer}` [batch, 1, d] (zeros before the first token), in place of the layer's
+cache; without a cache it is the sequence shifted by one.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import numpy as np
 import onnx_ir as ir
 
 from layerdrop.errors import LayerdropError
-from layerdrop.formats import REGION_KEY
+from layerdrop.formats import REGION_KEY, is_past, state_name
 from layerdrop.passes.find_residuals import ResidualRegion, attention_regions
 from layerdrop.passes.harp_bypass import initializer
 from layerdrop.passes.metadata import record_removals, removal_record
@@ -60,12 +66,63 @@ def fit_branch(graph: ir.Graph, region: ResidualRegion, weight: np.ndarray, bias
         raise LayerdropError(f"layer {region.layer}: the attention branch has no normalized input to fit")
     dtype = region.skip.dtype.numpy() if region.skip.dtype is not None else np.float32
     prefix = f"layerdrop.fit.{region.layer}"
-    project = ir.node("MatMul", [region.norm_output, initializer(graph, f"{prefix}.weight",
-                                                                 np.asarray(weight).astype(dtype))])
-    shift = ir.node("Add", [project.outputs[0], initializer(graph, f"{prefix}.bias", np.asarray(bias).astype(dtype))])
-    nodes = [project, shift]
+    weight = np.asarray(weight).astype(dtype)
+    width = weight.shape[1]
+    project = ir.node("MatMul", [region.norm_output, initializer(graph, f"{prefix}.weight", weight[:width])])
+    nodes = [project]
+    if len(weight) == 2 * width:  # and the previous token's state
+        nodes += previous_states(graph, region.norm_output, region.layer, width, dtype)
+        nodes.append(ir.node("MatMul", [nodes[-1].outputs[0],
+                                        initializer(graph, f"{prefix}.previous_weight", weight[width:])]))
+        nodes.append(ir.node("Add", [project.outputs[0], nodes[-1].outputs[0]]))
+    elif len(weight) != width:
+        raise LayerdropError(f"layer {region.layer}: a map of {len(weight)} rows for hidden size {width}")
+    shift = ir.node("Add", [nodes[-1].outputs[0], initializer(graph, f"{prefix}.bias",
+                                                              np.asarray(bias).astype(dtype))])
+    nodes.append(shift)
     skip_index = 0 if region.add.inputs[0] is region.skip else 1
     if keep is not None:
         nodes.append(ir.node("Where", [keep, region.add.inputs[1 - skip_index], shift.outputs[0]]))
     graph.insert_before(region.add, nodes)
     region.add.replace_input_with(1 - skip_index, nodes[-1].outputs[0])
+
+
+def previous_states(graph: ir.Graph, normalized: ir.Value, layer: int, width: int, dtype) -> list[ir.Node]:
+    """Nodes whose last output is each position's previous normalized input [batch, seq, d] (module docstring): the
+    states times the mask over the new tokens, shifted by one behind the carried state (a `past_fit.{layer}` input
+    and a `present_fit.{layer}` output, in a graph with a KV cache) or behind zeros."""
+    prefix = f"layerdrop.fit.{layer}"
+    element = ir.DataType.from_numpy(np.dtype(dtype))
+    nodes: list[ir.Node] = []
+    axis = initializer(graph, f"{prefix}.axis", np.array([1], np.int64))
+    end = initializer(graph, f"{prefix}.end", np.array([2 ** 62], np.int64))
+    masked = normalized
+    mask = next((v for v in graph.inputs if v.name == "attention_mask"), None)
+    if mask is not None:  # the mask's last seq columns are the new tokens'
+        nodes.append(ir.node("Shape", [normalized], attributes={"start": 1, "end": 2}))
+        nodes.append(ir.node("Neg", [nodes[-1].outputs[0]]))
+        nodes.append(ir.node("Slice", [mask, nodes[-1].outputs[0], end, axis]))
+        nodes.append(ir.node("Cast", [nodes[-1].outputs[0]], attributes={"to": element}))
+        nodes.append(ir.node("Unsqueeze", [nodes[-1].outputs[0],
+                                           initializer(graph, f"{prefix}.last", np.array([2], np.int64))]))
+        nodes.append(ir.node("Mul", [normalized, nodes[-1].outputs[0]]))
+        masked = nodes[-1].outputs[0]
+    last = initializer(graph, f"{prefix}.minus_one", np.array([-1], np.int64))
+    if any(is_past(v.name) for v in graph.inputs):
+        batch = next((v.shape[0] for v in graph.inputs if v.name == "input_ids" and v.shape is not None), "batch")
+        state = ir.Value(name=state_name("past", layer), shape=ir.Shape([batch, 1, width]),
+                         type=ir.TensorType(element))
+        graph.inputs.append(state)
+        nodes.append(ir.node("Concat", [state, masked], attributes={"axis": 1}))
+        present = ir.node("Slice", [masked, last, end, axis])
+        present.outputs[0].name = state_name("present", layer)
+        nodes.append(present)
+        graph.outputs.append(present.outputs[0])
+        joined = nodes[-2].outputs[0]
+    else:
+        nodes.append(ir.node("Pad", [masked, initializer(graph, f"{prefix}.pads",
+                                                         np.array([0, 1, 0, 0, 0, 0], np.int64))]))
+        joined = nodes[-1].outputs[0]
+    nodes.append(ir.node("Slice", [joined, initializer(graph, f"{prefix}.start", np.array([0], np.int64)),
+                                   last, axis]))
+    return nodes

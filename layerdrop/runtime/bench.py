@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from layerdrop.formats import is_past, is_present, past_for
+from layerdrop.formats import is_carried, is_past, is_state_past, past_for
 from layerdrop.runtime.feeds import is_kv_graph, prefill_feed, takes_padded_batches
 from layerdrop.runtime.generate import greedy_batch, greedy_generate
 from layerdrop.runtime.session import make_session
@@ -132,7 +132,7 @@ def device_greedy(session: ort.InferenceSession, prompt: np.ndarray, new_tokens:
     inputs = {i.name for i in session.get_inputs()}
     feed = prefill_feed(session, prompt)
     past: dict[str, ort.OrtValue] = {k: ort.OrtValue.ortvalue_from_numpy(v, device, 0) for k, v in feed.items()
-                                     if is_past(k)}
+                                     if is_past(k) or is_state_past(k)}
     tokens: list[int] = []
     length = prompt.shape[1]
     step_ids = np.asarray(prompt, dtype=np.int64)
@@ -151,7 +151,7 @@ def device_greedy(session: ort.InferenceSession, prompt: np.ndarray, new_tokens:
         outputs = dict(zip(names, binding.get_outputs()))
         token = int(np.argmax(outputs["logits"].numpy()[0, -1]))
         tokens.append(token)
-        past = {past_for(name): value for name, value in outputs.items() if is_present(name)}
+        past = {past_for(name): value for name, value in outputs.items() if is_carried(name)}
         step_ids = np.array([[token]], dtype=np.int64)
         length += 1
     return tokens

@@ -1,4 +1,5 @@
-"""Build ONNX Runtime inputs for a decoder graph: token ids, mask, positions, and an empty or given KV cache."""
+"""Build ONNX Runtime inputs for a decoder graph: token ids, mask, positions, and an empty or given KV cache (and
+previous-token states, zero before the first token)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 
 from layerdrop.errors import LayerdropError
-from layerdrop.formats import is_past
+from layerdrop.formats import is_past, is_state_past
 
 _NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
                 "tensor(bfloat16)": np.float32}
@@ -71,6 +72,11 @@ def prefill_feed(
             feed[info.name] = mask
         elif info.name == "position_ids":
             feed[info.name] = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
+        elif is_state_past(info.name):  # a map's previous-token state: none before the first token
+            width = info.shape[-1]
+            if not isinstance(width, int):
+                raise LayerdropError(f"state input {info.name} has no static width; rewrite the model again")
+            feed[info.name] = np.zeros((ids.shape[0], 1, width), dtype=numpy_type(info.type))
         elif not is_past(info.name):
             raise LayerdropError(f"the graph has an input layerdrop cannot fill: {info.name!r}")
     feed.update(empty_past(session, ids.shape[0]))

@@ -9,7 +9,7 @@ import numpy as np
 import onnxruntime as ort
 
 from layerdrop.errors import LayerdropError
-from layerdrop.formats import is_present, past_for
+from layerdrop.formats import is_carried, past_for
 from layerdrop.runtime.feeds import is_kv_graph, prefill_feed
 
 
@@ -147,9 +147,9 @@ def _cache_after(session: ort.InferenceSession, ids: np.ndarray, mask: np.ndarra
 
 def cached_feed(outputs: dict[str, np.ndarray], ids: np.ndarray, mask: np.ndarray, positions: np.ndarray,
                  input_names: set[str]) -> dict[str, np.ndarray]:
-    """The next step's inputs: the cache the last run presented, the new `ids`, the mask over past and new tokens,
+    """The next step's inputs: the cache (and states) the last run presented, the new `ids`, the mask over past and new tokens,
     and the new tokens' positions (where the graph takes them)."""
-    feed = {past_for(n): v for n, v in outputs.items() if is_present(n)}
+    feed = {past_for(n): v for n, v in outputs.items() if is_carried(n)}
     feed["input_ids"] = ids
     feed["attention_mask"] = mask
     if "position_ids" in input_names:

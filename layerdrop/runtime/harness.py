@@ -20,7 +20,7 @@ except ImportError:  # pragma: no cover - exercised only without the extra
     raise LayerdropError("lm-eval is not installed; install the eval extra: pip install -e '.[eval]'") from None
 from tqdm import tqdm
 
-from layerdrop.formats import is_present
+from layerdrop.formats import is_carried
 from layerdrop.runtime.evaluate import token_logprobs
 from layerdrop.runtime.feeds import is_kv_graph, prefill_feed, takes_padded_batches
 from layerdrop.runtime.generate import cached_feed, greedy_batch, left_pad, right_pad
@@ -204,7 +204,7 @@ class LayerdropLM(TemplateLM):
         by_length: dict[int, list[list[int]]] = {}
         for group in groups:
             by_length.setdefault(len(requests[group[0]][1]), []).append(group)
-        names = [o.name for o in self.session.get_outputs() if is_present(o.name)]
+        names = [o.name for o in self.session.get_outputs() if is_carried(o.name)]
         inputs = {i.name for i in self.session.get_inputs()}
         for length, same in by_length.items():
             prefix = np.array([requests[g[0]][1][:-1] for g in same], dtype=np.int64)

@@ -10,6 +10,10 @@ token of the windows (a BOS is left out), so memory stays (d + 1)^2 whatever the
 a ridge term lambda = ridge * mean(diag(G)) (relative to the states' scale; the bias is augmented and penalized
 alike). Each layer's ridge is the one of `RIDGES` whose map predicts the branch best on validation windows the
 fit never saw (squared error, in closed form from the validation windows' own normal equations).
+
+With `previous`, each map also reads the previous token's normalized input: the states are [X_t, X_{t-1}] (X_{-1} =
+0, within each window; a BOS column is a previous token like any other), W is [2d, d], and the layer's KV cache gives
+way to a one-token state (`passes.fit_attention`).
 """
 
 from __future__ import annotations
@@ -74,10 +78,16 @@ def _run(session, stream: _Stream, names: list[str], batch_size: int):
         yield rows, session.run(names, prefill_feed(session, stream.ids[rows], extra=extra))
 
 
-def _statistics(session, streams: list[_Stream], pairs: list[tuple[str, str]], batch_size: int
-                ) -> list[list[tuple[np.ndarray, np.ndarray, float, int]]]:
+def with_previous(states: np.ndarray) -> np.ndarray:
+    """[X_t, X_{t-1}] for states [batch, seq, d] (X_{-1} = 0): the inputs of a map that reads the previous token."""
+    before = np.concatenate([np.zeros_like(states[:, :1]), states[:, :-1]], axis=1)
+    return np.concatenate([states, before], axis=-1)
+
+
+def _statistics(session, streams: list[_Stream], pairs: list[tuple[str, str]], batch_size: int,
+                previous: bool = False) -> list[list[tuple[np.ndarray, np.ndarray, float, int]]]:
     """Per pair of values (a layer's normalized input X, its branch output Y) and per stream, (G, C, |Y|^2, tokens)
-    over every text token: one run of the session for all pairs."""
+    over every text token: one run of the session for all pairs. With `previous`, X is `with_previous(X)`."""
     names = list(dict.fromkeys(name for pair in pairs for name in pair))
     found = []
     for stream in streams:
@@ -86,7 +96,8 @@ def _statistics(session, streams: list[_Stream], pairs: list[tuple[str, str]], b
             real = stream.real[rows]
             outputs = dict(zip(names, arrays))
             for total, (state, target) in zip(sums, pairs):
-                g, c = normal_equations(outputs[state][real], outputs[target][real])
+                states = with_previous(outputs[state]) if previous else outputs[state]
+                g, c = normal_equations(states[real], outputs[target][real])
                 total[0], total[1] = total[0] + g, total[1] + c
                 total[2] += float(np.sum(outputs[target][real].astype(np.float64) ** 2))
                 total[3] += int(real.sum())
@@ -103,7 +114,7 @@ def _choose(result: Fit, layer: int, stats: list[tuple], ridges: tuple[float, ..
     """
     (gram, cross, _, tokens), *held = stats
     if tokens < len(gram):
-        raise TooFewTokens(f"a fit needs at least {len(gram)} calibration tokens (hidden size + 1) and the "
+        raise TooFewTokens(f"a fit needs at least {len(gram)} calibration tokens (its inputs + 1) and the "
                            f"windows hold {tokens}; use more --samples or a longer --seq-len")
     candidates = {ridge: solve_ridge(gram, cross, ridge) for ridge in ridges}
     chosen = ridges[len(ridges) // 2]
@@ -141,11 +152,12 @@ class Fit:
 
 def fit_attention(model: ir.Model, folder: Path, windows: Windows, layers: list[int], *,
                   validation: Windows | np.ndarray | None = None, ridges: tuple[float, ...] = RIDGES,
-                  batch_size: int = 1, progress: bool = False, **session_args) -> Fit:
+                  batch_size: int = 1, progress: bool = False, previous: bool = False, **session_args) -> Fit:
     """Fit a linear map in place of the attention of each of `layers`, bottom-up (module docstring).
 
     With `validation` windows, each layer's ridge is the one of `ridges` whose map has the lowest squared error on
-    them (every trial is in `Fit.trials`: layer, ridge, error per token); without, the middle one is used.
+    them (every trial is in `Fit.trials`: layer, ridge, error per token); without, the middle one is used. With
+    `previous`, the maps also read the previous token's normalized input (module docstring).
 
     Raises:
         LayerdropError: the windows hold fewer text tokens than the hidden size + 1 (the fit is not well posed), or a
@@ -165,7 +177,7 @@ def fit_attention(model: ir.Model, folder: Path, windows: Windows, layers: list[
         entry = attention_entries(current)[layer]
         pair = _pair(current, layer)
         session = make_session(segment(current, entry, list(pair)), folder=folder, **session_args)
-        _choose(result, layer, _statistics(session, streams, [pair], batch_size)[0], ridges)
+        _choose(result, layer, _statistics(session, streams, [pair], batch_size, previous)[0], ridges)
         if index + 1 < len(layers):  # up to the next layer, through this layer's map
             current = _with_maps(model, result.maps)
             target = attention_entries(current)[layers[index + 1]]
@@ -178,9 +190,9 @@ def fit_attention(model: ir.Model, folder: Path, windows: Windows, layers: list[
 
 def solo_fits(model: ir.Model, folder: Path, windows: Windows, layers: list[int], *,
               validation: Windows | np.ndarray | None = None, ridges: tuple[float, ...] = RIDGES,
-              batch_size: int = 1, **session_args) -> Fit:
+              batch_size: int = 1, previous: bool = False, **session_args) -> Fit:
     """A map for each of `layers` fitted alone, on the unmodified model's states (one run for all of them): the
-    maps a search tries one layer at a time. Ridges are chosen as in `fit_attention`.
+    maps a search tries one layer at a time. Ridges and `previous` as in `fit_attention`.
 
     Raises:
         LayerdropError: as `fit_attention`.
@@ -190,7 +202,7 @@ def solo_fits(model: ir.Model, folder: Path, windows: Windows, layers: list[int]
     pairs = [_pair(model, layer) for layer in sorted(layers)]
     session = make_session(with_outputs(model, [name for pair in pairs for name in pair]), folder=folder,
                            **session_args)
-    for layer, stats in zip(sorted(layers), _statistics(session, streams, pairs, batch_size)):
+    for layer, stats in zip(sorted(layers), _statistics(session, streams, pairs, batch_size, previous)):
         _choose(result, layer, stats, ridges)
     return result
 

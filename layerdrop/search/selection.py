@@ -135,9 +135,9 @@ class PrefillMeter:
     once, and asking for it again with more runs only adds the missing ones, so the plan's table reuses, and tops
     up, what the sizing measured, and rows of the same structure get one figure.
 
-    For sizing (`speedup`), an attention layer becomes what the allowed moves leave of it: a d x d map (`maps`: a
-    fitted map's MatMul and Add, the cost of a folded V·O bypass too; its values do not matter, so zeros) or nothing
-    (a drop). ReplaceMe's transform is folded into a kept block's MLP, so a fitted run costs what dropping its
+    For sizing (`speedup`), an attention layer becomes what the allowed moves leave of it: a `maps` d x d map (1: a
+    fitted map's MatMul and Add, the cost of a folded V·O bypass too; 2: a map that also reads the previous token;
+    its values do not matter, so zeros) or nothing (0: a drop). ReplaceMe's transform is folded into a kept block's MLP, so a fitted run costs what dropping its
     blocks does. `runs` runs a structure the sizing measures, `confirm_runs` (if more) the count it settles on;
     `bar` (a tqdm bar) counts the measurements."""
 
@@ -146,7 +146,7 @@ class PrefillMeter:
     seq: int
     base: Any  # onnxruntime.InferenceSession of `model`
     runs: int = 5
-    maps: bool = True
+    maps: int = 1
     provider: str = "cpu"
     threads: int | None = None
     bar: Any = None
@@ -237,7 +237,7 @@ class PrefillMeter:
             if not all(isinstance(d, int) for d in width.values()):
                 raise LayerdropError("a speedup budget needs the hidden size in the graph's shapes to time fitted "
                                      "maps; run the graph through onnx shape inference, or use --moves drop,blocks")
-            passes.append(FitAttentionPass({k: (np.zeros((d, d), np.float32), np.zeros(d, np.float32))
+            passes.append(FitAttentionPass({k: (np.zeros((self.maps * d, d), np.float32), np.zeros(d, np.float32))
                                             for k, d in width.items()}, reason="sizing"))
         run_passes(copy, [*passes, *tidy_passes()])
         return copy
