@@ -136,6 +136,7 @@ def test_fit_moves_plan_fitted_layers_equal_to_torch(exported, tmp_path, rng, pr
     """--moves fit: the pick is a fitted row, and the written model is PyTorch's with maps fitted independently on
     the planner's calibration windows with the ridges it chose; with --fit-previous, maps of the previous token's
     state too, each carried as a one-token state in place of the layer's cache."""
+    from layerdrop.api.reports import plan_table
     from tests.helpers import session
     from tests.torch_reference import fitted
 
@@ -157,6 +158,8 @@ def test_fit_moves_plan_fitted_layers_equal_to_torch(exported, tmp_path, rng, pr
     assert {n for n in inputs if n.startswith("past_fit.")} == ({f"past_fit.{k}" for k in pick["fits"]}
                                                                if previous else set())
     assert (tmp_path / "model" / "genai_config.json").exists() == (not previous)  # genai cannot carry the states
+    assert result["fit_previous"] == previous
+    assert ("fit = fitted map of the token and the previous one" in plan_table(result)) == previous
     ids = rng.randint(0, VOCAB, size=(1, 10))
     np.testing.assert_allclose(ort_logits(tmp_path / "model", ids), logits(model, ids), atol=1e-4, rtol=0)
 

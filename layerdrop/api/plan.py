@@ -245,7 +245,8 @@ def plan(
          "accuracy_difference", "accuracy_difference_se" (points), "accuracy_correct" (each item: 1 right, 0 wrong)}],
          "baseline": {...}, "search_seconds", "also_eval_texts",
          "accuracy_items", "accuracy_task": [{"context", "choices", "answer"}],
-         "search_text", "eval_text", "fit_text" (with "self_samples" where some were added), "skipped": [why a
+         "search_text", "eval_text", "fit_text" (with "self_samples" where some were added), "fit_previous"
+         (whether the maps read the previous token), "skipped": [why a
          default move made no row, e.g. too few tokens for a fit], "timings": {structure: {"base_ms", "ms"}: every
          timed run, the baseline's and the structure's, in order}, "sizing": [{"blocks", "attention", "structure",
          "speedup"}: the structures a speedup budget's sizing measured]}
@@ -487,7 +488,9 @@ def _finish(model: ir.Model, folder, out_dir: Path, force: bool, budget: str, co
               "eval_text": held_out.main.source, "also_eval_texts": [w.source for w in held_out.others],
               "accuracy_items": len(held_out.items) if held_out.items is not None else 0,
               "accuracy_task": held_out.items or [],  # the items, to rerun them through lm-eval elsewhere
-              "fit_text": fit_windows.source if fit_windows is not None and fitted else None, "skipped": skipped,
+              "fit_text": fit_windows.source if fit_windows is not None and fitted else None,
+              "fit_previous": any(len(w) == 2 * w.shape[1] for c in candidates for w, _ in (c.fits or {}).values()),
+              "skipped": skipped,
               **(meter.record() if meter is not None else {"timings": {}, "sizing": []})}
     write_json(model.metadata_props, PLAN_KEY, result)
     result["planner_log"] = log

@@ -68,8 +68,9 @@ def plan_table(result: dict) -> str:
             + [f"held-out ppl ({name})" for name in others]
             + ([f"accuracy, {result['accuracy_items']} items (retained)",
                 "accuracy against the baseline, points (± paired SE)"] if accuracy else []))
+    fit = "fitted map of the token and the previous one" if result.get("fit_previous") else "fitted map"
     lines = [f"| method (budget {result['budget']}) | moves: layer:alpha (0 = drop, or the mean with the shift; fit = "
-             "fitted map), blocks removed | " + " | ".join(head) + " |", "|---|---|" + "---|" * len(head)]
+             f"{fit}), blocks removed | " + " | ".join(head) + " |", "|---|---|" + "---|" * len(head)]
 
     def cells(row: dict, measured: bool) -> str:
         values = [f"{row['kv_kept']:.3f}" if measured else "1.000"]
