@@ -31,13 +31,20 @@ def test_the_ridge_solve_is_numpys_least_squares(rng):
     np.testing.assert_allclose(bias, reference[-1], rtol=1e-8, atol=1e-10)
 
 
-@pytest.mark.parametrize("family", ALL_FAMILIES)
-def test_fitted_attention_equals_torch_with_independently_fitted_maps(exported, family, rng, tmp_path):
-    folder, model = api.open_model(exported(family, True))
+@pytest.mark.parametrize("family,cache,previous", [(f, True, False) for f in ALL_FAMILIES]
+                         + [(f, True, True) for f in ALL_FAMILIES] + [("llama", False, True)])
+def test_fitted_attention_equals_torch_with_independently_fitted_maps(exported, family, cache, previous, rng,
+                                                                      tmp_path):
+    """Maps fitted bottom-up equal lstsq on PyTorch's states, and the rewritten graph PyTorch's model with those maps;
+    the layers' KV inputs go. With `previous` (--fit-previous) the maps read [Norm(X)_t, Norm(X)_{t-1}], and in a
+    graph with a cache each fitted layer carries a one-token state instead."""
+    folder, model = api.open_model(exported(family, cache))
     windows = rng.randint(0, VOCAB, size=(4, 24))
-    fit = fit_attention(model, folder.path, Windows(windows, {}), LAYERS, ridges=(RIDGE,))
-    reference, maps = fitted(tiny_model(family), windows, LAYERS, RIDGE)
+    fit = fit_attention(model, folder.path, Windows(windows, {}), LAYERS, ridges=(RIDGE,), previous=previous)
+    reference, maps = fitted(tiny_model(family), windows, LAYERS, RIDGE, previous=previous)
     for layer in LAYERS:  # the maps themselves, and the model they make
+        width = fit.maps[layer][0].shape[1]
+        assert fit.maps[layer][0].shape == ((1 + previous) * width, width)
         np.testing.assert_allclose(fit.maps[layer][0], maps[layer][0], atol=1e-4)
         np.testing.assert_allclose(fit.maps[layer][1], maps[layer][1], atol=1e-4)
     run_passes(model, api.rewrite_passes([], {}, "fit", fits=fit.maps))
@@ -45,9 +52,16 @@ def test_fitted_attention_equals_torch_with_independently_fitted_maps(exported, 
     ids = rng.randint(0, VOCAB, size=(1, 11))
     np.testing.assert_allclose(ort_logits(tmp_path / "fitted", ids), logits(reference, ids), atol=1e-4, rtol=0)
     inputs = [i.name for i in session(tmp_path / "fitted").get_inputs()]
+    states = [n for n in inputs if n.startswith("past_fit")]
+    if not cache:
+        assert not states
+        return
     assert [n for n in inputs if n.startswith("past_key_values")] == [
         f"past_key_values.{i}.{p}" for i in (0, 1) for p in ("key", "value")]
-    assert api.inspect(tmp_path / "fitted")["kv_layers"] == [0, 2]
+    info = api.inspect(tmp_path / "fitted")
+    assert info["kv_layers"] == [0, 2]
+    assert sorted(states) == [f"past_fit.{layer}" for layer in LAYERS if previous]
+    assert info["state_layers"] == (LAYERS if previous else [])
 
 
 @pytest.mark.parametrize("family", ALL_FAMILIES)
@@ -124,33 +138,6 @@ def test_a_fit_on_fewer_tokens_than_the_hidden_size_is_refused(exported, rng):
     folder, model = api.open_model(exported("llama", True))
     with pytest.raises(LayerdropError, match="at least 33 calibration tokens"):
         fit_attention(model, folder.path, Windows(rng.randint(0, VOCAB, size=(1, 20)), {}), [1])
-
-
-@pytest.mark.parametrize("family,cache", [(f, True) for f in ALL_FAMILIES] + [("llama", False)])
-def test_maps_that_read_the_previous_token_equal_torch(exported, family, cache, rng, tmp_path):
-    """--fit-previous: [Norm(X)_t, Norm(X)_{t-1}] W + b, fitted bottom-up, equals lstsq on PyTorch's states and
-    PyTorch's model with those maps; with a cache, the layers' KV inputs give way to one-token states."""
-    folder, model = api.open_model(exported(family, cache))
-    windows = rng.randint(0, VOCAB, size=(4, 24))
-    fit = fit_attention(model, folder.path, Windows(windows, {}), LAYERS, ridges=(RIDGE,), previous=True)
-    reference, maps = fitted(tiny_model(family), windows, LAYERS, RIDGE, previous=True)
-    for layer in LAYERS:
-        assert fit.maps[layer][0].shape == (2 * fit.maps[layer][0].shape[1], fit.maps[layer][0].shape[1])
-        np.testing.assert_allclose(fit.maps[layer][0], maps[layer][0], atol=1e-4)
-        np.testing.assert_allclose(fit.maps[layer][1], maps[layer][1], atol=1e-4)
-    run_passes(model, api.rewrite_passes([], {}, "fit", fits=fit.maps))
-    save(model, tmp_path / "fitted", source=folder)
-    ids = rng.randint(0, VOCAB, size=(1, 11))
-    np.testing.assert_allclose(ort_logits(tmp_path / "fitted", ids), logits(reference, ids), atol=1e-4, rtol=0)
-    inputs = [i.name for i in session(tmp_path / "fitted").get_inputs()]
-    states = [n for n in inputs if n.startswith("past_fit")]
-    if cache:
-        assert [n for n in inputs if n.startswith("past_key_values")] == [
-            f"past_key_values.{i}.{p}" for i in (0, 1) for p in ("key", "value")]
-        assert sorted(states) == [f"past_fit.{layer}" for layer in LAYERS]
-        assert api.inspect(tmp_path / "fitted")["state_layers"] == LAYERS
-    else:
-        assert not states
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
