@@ -145,6 +145,7 @@ def test_the_previous_tokens_state_is_carried_from_step_to_step_and_padding_is_m
                                                                                        tmp_path):
     """Greedy decoding of a left-padded batch through the cache, prefilled 3 tokens at a time (so a piece boundary
     falls inside the padding), gives each prompt the tokens and logits PyTorch gives it alone, without a cache."""
+    from layerdrop.runtime.bench import device_greedy
     from layerdrop.runtime.generate import greedy_batch, left_pad
     from tests.torch_reference import greedy
 
@@ -161,6 +162,9 @@ def test_the_previous_tokens_state_is_carried_from_step_to_step_and_padding_is_m
         expected_tokens, expected_logits = greedy(reference, np.array([prompt]), 5)
         assert tokens[row] == expected_tokens
         np.testing.assert_allclose(np.array(found[row]), np.array(expected_logits), atol=1e-4, rtol=0)
+    # the bench's decoding, which binds each step's outputs as the next step's inputs on the device
+    assert device_greedy(session(tmp_path / "fitted"), np.array([prompts[0]]), 5) == greedy(
+        reference, np.array([prompts[0]]), 5)[0]
 
 
 def test_the_gated_fit_graph_takes_maps_that_read_the_previous_token(exported, rng):
