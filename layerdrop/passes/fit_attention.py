@@ -95,9 +95,10 @@ def previous_states(graph: ir.Graph, normalized: ir.Value, layer: int, width: in
     element = ir.DataType.from_numpy(np.dtype(dtype))
     nodes: list[ir.Node] = []
     axis = initializer(graph, f"{prefix}.axis", np.array([1], np.int64))
-    end = initializer(graph, f"{prefix}.end", np.array([2 ** 62], np.int64))
     masked = normalized
     mask = next((v for v in graph.inputs if v.name == "attention_mask"), None)
+    carried = any(is_past(v.name) for v in graph.inputs)
+    end = initializer(graph, f"{prefix}.end", np.array([2 ** 62], np.int64)) if mask is not None or carried else None
     if mask is not None:  # the mask's last seq columns are the new tokens'
         nodes.append(ir.node("Shape", [normalized], attributes={"start": 1, "end": 2}))
         nodes.append(ir.node("Neg", [nodes[-1].outputs[0]]))
@@ -108,7 +109,7 @@ def previous_states(graph: ir.Graph, normalized: ir.Value, layer: int, width: in
         nodes.append(ir.node("Mul", [normalized, nodes[-1].outputs[0]]))
         masked = nodes[-1].outputs[0]
     last = initializer(graph, f"{prefix}.minus_one", np.array([-1], np.int64))
-    if any(is_past(v.name) for v in graph.inputs):
+    if carried:
         batch = next((v.shape[0] for v in graph.inputs if v.name == "input_ids" and v.shape is not None), "batch")
         state = ir.Value(name=state_name("past", layer), shape=ir.Shape([batch, 1, width]),
                          type=ir.TensorType(element))
