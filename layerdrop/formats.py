@@ -69,16 +69,20 @@ def state_name(prefix: str, layer: int) -> str:
     return f"{prefix}_fit.{layer}"
 
 
+def state_layer(name: str | None) -> int | None:
+    """The layer of a state input or output (past_fit.{layer} / present_fit.{layer}), or None for any other name."""
+    match = STATE_NAME.match(name or "")
+    return int(match.group(2)) if match else None
+
+
 def is_state_past(name: str | None) -> bool:
     """A previous-token state input: past_fit.{layer}."""
-    match = STATE_NAME.match(name or "")
-    return bool(match) and match.group(1) == "past"
+    return state_layer(name) is not None and name.startswith("past_")
 
 
 def is_carried(name: str | None) -> bool:
     """An output the next step takes back as an input: a cache output, or a previous-token state."""
-    match = STATE_NAME.match(name or "")
-    return is_present(name) or (bool(match) and match.group(1) == "present")
+    return is_present(name) or (state_layer(name) is not None and name.startswith("present_"))
 
 
 def past_for(present: str) -> str:

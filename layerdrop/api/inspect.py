@@ -6,7 +6,7 @@ from pathlib import Path
 
 from layerdrop import model_folder
 from layerdrop.api.common import open_model
-from layerdrop.formats import FAMILY_KEY, STATE_NAME, is_state_past
+from layerdrop.formats import FAMILY_KEY, is_state_past, state_layer
 from layerdrop.passes.attach_scores import read_scores
 from layerdrop.passes.find_residuals import annotated_regions
 from layerdrop.passes.metadata import calibration_record, kv_bytes_per_token, kv_layer_map, removed_modules
@@ -35,8 +35,7 @@ def inspect(model_path: Path) -> dict:
         "blocks": sorted(blocks, key=lambda r: r["layer"]),
         "kv_bytes_per_token": kv_bytes_per_token(model),
         "kv_layers": kv_layer_map(model),
-        "state_layers": sorted(int(STATE_NAME.match(v.name).group(2)) for v in model.graph.inputs
-                               if is_state_past(v.name)),
+        "state_layers": sorted(state_layer(v.name) for v in model.graph.inputs if is_state_past(v.name)),
         "removed": removed_modules(model),
         "calibration": calibration_record(model),
     }

@@ -105,25 +105,23 @@ def previous_states(graph: ir.Graph, normalized: ir.Value, layer: int, width: in
         nodes.append(ir.node("Slice", [mask, nodes[-1].outputs[0], end, axis]))
         nodes.append(ir.node("Cast", [nodes[-1].outputs[0]], attributes={"to": element}))
         nodes.append(ir.node("Unsqueeze", [nodes[-1].outputs[0],
-                                           initializer(graph, f"{prefix}.last", np.array([2], np.int64))]))
+                                           initializer(graph, f"{prefix}.feature_axis", np.array([2], np.int64))]))
         nodes.append(ir.node("Mul", [normalized, nodes[-1].outputs[0]]))
         masked = nodes[-1].outputs[0]
-    last = initializer(graph, f"{prefix}.minus_one", np.array([-1], np.int64))
-    if carried:
+    minus_one = initializer(graph, f"{prefix}.minus_one", np.array([-1], np.int64))
+    if carried:  # [state, X] and the last position as the next step's state
         batch = next((v.shape[0] for v in graph.inputs if v.name == "input_ids" and v.shape is not None), "batch")
         state = ir.Value(name=state_name("past", layer), shape=ir.Shape([batch, 1, width]),
                          type=ir.TensorType(element))
         graph.inputs.append(state)
-        nodes.append(ir.node("Concat", [state, masked], attributes={"axis": 1}))
-        present = ir.node("Slice", [masked, last, end, axis])
+        joined = ir.node("Concat", [state, masked], attributes={"axis": 1})
+        present = ir.node("Slice", [masked, minus_one, end, axis])
         present.outputs[0].name = state_name("present", layer)
-        nodes.append(present)
         graph.outputs.append(present.outputs[0])
-        joined = nodes[-2].outputs[0]
-    else:
-        nodes.append(ir.node("Pad", [masked, initializer(graph, f"{prefix}.pads",
-                                                         np.array([0, 1, 0, 0, 0, 0], np.int64))]))
-        joined = nodes[-1].outputs[0]
-    nodes.append(ir.node("Slice", [joined, initializer(graph, f"{prefix}.start", np.array([0], np.int64)),
-                                   last, axis]))
+        nodes += [joined, present]
+    else:  # [0, X]
+        joined = ir.node("Pad", [masked, initializer(graph, f"{prefix}.pads", np.array([0, 1, 0, 0, 0, 0], np.int64))])
+        nodes.append(joined)
+    nodes.append(ir.node("Slice", [joined.outputs[0], initializer(graph, f"{prefix}.start", np.array([0], np.int64)),
+                                   minus_one, axis]))
     return nodes

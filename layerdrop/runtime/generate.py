@@ -147,8 +147,8 @@ def _cache_after(session: ort.InferenceSession, ids: np.ndarray, mask: np.ndarra
 
 def cached_feed(outputs: dict[str, np.ndarray], ids: np.ndarray, mask: np.ndarray, positions: np.ndarray,
                  input_names: set[str]) -> dict[str, np.ndarray]:
-    """The next step's inputs: the cache (and states) the last run presented, the new `ids`, the mask over past and new tokens,
-    and the new tokens' positions (where the graph takes them)."""
+    """The next step's inputs: the cache (and previous-token states) the last run presented, the new `ids`, the mask
+    over past and new tokens, and the new tokens' positions (where the graph takes them)."""
     feed = {past_for(n): v for n, v in outputs.items() if is_carried(n)}
     feed["input_ids"] = ids
     feed["attention_mask"] = mask

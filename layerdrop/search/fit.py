@@ -160,7 +160,7 @@ def fit_attention(model: ir.Model, folder: Path, windows: Windows, layers: list[
     `previous`, the maps also read the previous token's normalized input (module docstring).
 
     Raises:
-        LayerdropError: the windows hold fewer text tokens than the hidden size + 1 (the fit is not well posed), or a
+        LayerdropError: the windows hold fewer text tokens than the map's inputs + 1 (the fit is not well posed), or a
             layer has no attention branch to fit.
     """
     result = Fit()
