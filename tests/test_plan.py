@@ -63,7 +63,10 @@ def test_rows_run_from_the_baselines_kept_states_like_torch(exported):
     """A measured row runs from the baseline's hidden state at its lowest changed layer, kept from the baseline's
     own runs on every window set; its perplexities are still PyTorch's for the same moves."""
     from layerdrop.api.common import open_model
-    from layerdrop.api.plan import Candidate, _HeldOut, _measured, _prefix
+    from layerdrop.api.plan.candidates import Candidate
+    from layerdrop.api.plan.measure import Measure, choose_prefix
+    from layerdrop.api.plan.texts import HeldOut
+    from layerdrop.runtime.session import RunOptions
     from layerdrop.windows import bundled_text
     from tests.torch_reference import perplexity as torch_perplexity
 
@@ -71,21 +74,21 @@ def test_rows_run_from_the_baselines_kept_states_like_torch(exported):
     _, model = open_model(folder)
     windows = {role: api.windows_for(folder, None, role=role, samples=2, seq_len=32) for role in ("search", "eval")}
     docs = api.windows_for(folder, bundled_text("docs"), role="eval", samples=2, seq_len=32)
-    held_out = _HeldOut(windows["eval"], [docs], None)
+    held_out = HeldOut(windows["eval"], [docs], None)
     candidates = [Candidate("drop 2 and 3", {2: 0.0, 3: 0.0}), Candidate("bypass 3", {3: 0.5}),
                   Candidate("drop 1, bypass 3", {1: 0.0, 3: 0.3}), Candidate("drop 0", {0: 0.0})]
-    prefix = _prefix(model, candidates, 6, 32)
+    prefix = choose_prefix(model, candidates, 6, 32)
     assert sorted(prefix.entries) == [1, 2, 3]  # layer 0 saves nothing
-    args = {"provider": "cpu", "threads": 1, "batch_size": 1}
-    _measured(model, folder, Candidate("baseline"), windows["search"], held_out, args, 4, prefix=prefix)
+    measure = Measure(model, folder, windows["search"], held_out, 4, RunOptions(threads=1), prefix=prefix)
+    measure.row(Candidate("baseline"))
     assert {k: v["eval"].shape for k, v in prefix.states.items()} == {k: (2, 32, 32) for k in (1, 2, 3)}
     for candidate, start in zip(candidates, (2, 3, 1, None)):
-        row = _measured(model, folder, candidate, windows["search"], held_out, args, 4, prefix=prefix)
+        row = measure.row(candidate)
         assert prefix.start(model, candidate) == start
         reference = planned_reference(tiny_model("llama"), candidate.alphas)
-        assert row["search_ppl"] == pytest.approx(torch_perplexity(reference, windows["search"].ids), rel=1e-4)
-        assert row["eval_ppl"] == pytest.approx(torch_perplexity(reference, windows["eval"].ids), rel=1e-4)
-        assert list(row["also_eval_ppl"].values())[0] == pytest.approx(torch_perplexity(reference, docs.ids), rel=1e-4)
+        assert row.search_ppl == pytest.approx(torch_perplexity(reference, windows["search"].ids), rel=1e-4)
+        assert row.eval_ppl == pytest.approx(torch_perplexity(reference, windows["eval"].ids), rel=1e-4)
+        assert list(row.also_eval_ppl.values())[0] == pytest.approx(torch_perplexity(reference, docs.ids), rel=1e-4)
 
 
 def test_planned_model_equals_torch_reference_for_the_chosen_moves(planned, exported, rng):
@@ -690,11 +693,12 @@ def test_speedup_sizing_finds_the_fewest_modules(curve):
 def test_under_a_speedup_budget_the_pick_must_reach_it_in_the_tables_timing():
     """The pick is the lowest search perplexity among the rows whose measured speedup reaches the budget; where none
     does, among all, with the reason."""
-    from layerdrop.api.plan import choose_pick
+    from layerdrop.api.plan import PlanRow, choose_pick
 
-    rows = [{"method": "fast, worse", "search_ppl": 30.8, "speedup": 1.34},
-            {"method": "best, just short", "search_ppl": 26.5, "speedup": 1.29},
-            {"method": "fastest, worst", "search_ppl": 80.0, "speedup": 1.37}]
+    def row(method: str, search_ppl: float, speedup: float) -> PlanRow:
+        return PlanRow(method, {}, [], False, {}, [], None, None, [], 1.0, search_ppl, search_ppl, speedup=speedup)
+
+    rows = [row("fast, worse", 30.8, 1.34), row("best, just short", 26.5, 1.29), row("fastest, worst", 80.0, 1.37)]
     assert choose_pick(rows, 1.333) == (rows[0], None)
     assert choose_pick(rows, None) == (rows[1], None)  # no speedup budget: search perplexity alone
     pick, short = choose_pick(rows, 1.5)

@@ -37,14 +37,20 @@ def open_model(path: Path) -> tuple[model_folder.ModelFolder, ir.Model]:
     return folder, model
 
 
-def save_model(model: ir.Model, out_dir: Path, source: model_folder.ModelFolder, *, force: bool) -> Path:
+def save_model(model: ir.Model, out_dir: Path, source: model_folder.ModelFolder, *, force: bool,
+               notes: list[str] | None = None) -> Path:
     """Write a rewritten model as a folder beside its source's files; a genai_config.json follows the rewrite (and is
-    left out, with a note, where the graph carries previous-token states, which onnxruntime-genai cannot feed)."""
+    left out, with a note, where the graph carries previous-token states, which onnxruntime-genai cannot feed). The
+    note goes into `notes` where given, else to stderr."""
     extra, leave_out = {}, frozenset()
     config = model_folder.genai_config(source.path)
     if config and any(is_state_past(v.name) for v in model.graph.inputs):
-        print("layerdrop: genai_config.json left out: onnxruntime-genai cannot carry the previous-token states of "
-              "maps fitted with --fit-previous; plan without it for onnxruntime-genai", file=sys.stderr)
+        note = ("genai_config.json left out: onnxruntime-genai cannot carry the previous-token states of maps fitted "
+                "with --fit-previous; plan without it for onnxruntime-genai")
+        if notes is None:
+            print(f"layerdrop: {note}", file=sys.stderr)
+        else:
+            notes.append(note)
         config, leave_out = {}, frozenset({model_folder.GENAI_CONFIG})
     if config:
         source_graph = ir.serde.deserialize_model(onnx.load(source.onnx_path, load_external_data=False))

@@ -32,7 +32,7 @@ from layerdrop.passes.find_residuals import annotated_regions
 from layerdrop.passes.graph_cuts import HIDDEN_INPUT, segment, with_outputs
 from layerdrop.passes.moves import move_passes
 from layerdrop.runtime.feeds import prefill_feed
-from layerdrop.runtime.session import make_session
+from layerdrop.runtime.session import RunOptions
 from layerdrop.search.measure import attention_entries
 from layerdrop.windows import Windows
 
@@ -152,7 +152,7 @@ class Fit:
 
 def fit_attention(model: ir.Model, folder: Path, windows: Windows, layers: list[int], *,
                   validation: Windows | np.ndarray | None = None, ridges: tuple[float, ...] = RIDGES,
-                  batch_size: int = 1, progress: bool = False, previous: bool = False, **session_args) -> Fit:
+                  options: RunOptions = RunOptions(), progress: bool = False, previous: bool = False) -> Fit:
     """Fit a linear map in place of the attention of each of `layers`, bottom-up (module docstring).
 
     With `validation` windows, each layer's ridge is the one of `ridges` whose map has the lowest squared error on
@@ -169,20 +169,20 @@ def fit_attention(model: ir.Model, folder: Path, windows: Windows, layers: list[
         return result
     streams = _streams(model, windows, layers, validation)
     entering = attention_entries(model)[layers[0]]  # the state entering the lowest layer: the unmodified model's
-    _climb(make_session(with_outputs(model, [entering]), folder=folder, **session_args), streams, entering, batch_size)
+    batch_size = options.batch_size
+    _climb(options.session(with_outputs(model, [entering]), folder=folder), streams, entering, batch_size)
     bar = tqdm(total=len(layers), desc="fit", unit="layer", disable=not progress, leave=False)
     current = model  # the model with the maps fitted so far
     for index, layer in enumerate(layers):
         bar.set_postfix(layer=layer)
         entry = attention_entries(current)[layer]
         pair = _pair(current, layer)
-        session = make_session(segment(current, entry, list(pair)), folder=folder, **session_args)
+        session = options.session(segment(current, entry, list(pair)), folder=folder)
         _choose(result, layer, _statistics(session, streams, [pair], batch_size, previous)[0], ridges)
         if index + 1 < len(layers):  # up to the next layer, through this layer's map
             current = _with_maps(model, result.maps)
             target = attention_entries(current)[layers[index + 1]]
-            _climb(make_session(segment(current, entry, [target]), folder=folder, **session_args), streams, target,
-                   batch_size)
+            _climb(options.session(segment(current, entry, [target]), folder=folder), streams, target, batch_size)
         bar.update()
     bar.close()
     return result
@@ -190,7 +190,7 @@ def fit_attention(model: ir.Model, folder: Path, windows: Windows, layers: list[
 
 def solo_fits(model: ir.Model, folder: Path, windows: Windows, layers: list[int], *,
               validation: Windows | np.ndarray | None = None, ridges: tuple[float, ...] = RIDGES,
-              batch_size: int = 1, previous: bool = False, **session_args) -> Fit:
+              options: RunOptions = RunOptions(), previous: bool = False) -> Fit:
     """A map for each of `layers` fitted alone, on the unmodified model's states (one run for all of them): the
     maps a search tries one layer at a time. Ridges and `previous` as in `fit_attention`.
 
@@ -200,9 +200,8 @@ def solo_fits(model: ir.Model, folder: Path, windows: Windows, layers: list[int]
     result = Fit()
     streams = _streams(model, windows, layers, validation)
     pairs = [_pair(model, layer) for layer in sorted(layers)]
-    session = make_session(with_outputs(model, [name for pair in pairs for name in pair]), folder=folder,
-                           **session_args)
-    for layer, stats in zip(sorted(layers), _statistics(session, streams, pairs, batch_size, previous)):
+    session = options.session(with_outputs(model, [name for pair in pairs for name in pair]), folder=folder)
+    for layer, stats in zip(sorted(layers), _statistics(session, streams, pairs, options.batch_size, previous)):
         _choose(result, layer, stats, ridges)
     return result
 
