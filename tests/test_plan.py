@@ -1,10 +1,9 @@
-"""Issue 9: the planner honours its budget exactly, beats or equals the other methods on the search text, and
-writes a model equal to the PyTorch reference for the chosen moves."""
+"""`layerdrop plan`: the planner honours its budget exactly, compares the papers' methods on the same windows
+with figures equal to PyTorch's, and writes a model equal to the PyTorch reference for the chosen moves."""
 
 from __future__ import annotations
 
 import json
-import re
 
 import numpy as np
 import pytest
@@ -372,7 +371,7 @@ def test_default_moves_leave_out_fits_the_windows_cannot_support(exported, tmp_p
     result = json.loads(report.read_text())
     assert "fit" not in result["moves"] and not any(row["fits"] for row in result["methods"])
     assert len(result["skipped"]) == 1 and "a fit needs at least" in result["skipped"][0]
-    assert "note: fit rows left out" in capsys.readouterr().err
+    assert result["skipped"][0] in capsys.readouterr().err  # the reason is also said to the user
     code = main(["plan", *NO_TASK, str(folder), "-o", str(tmp_path / "fit"), "--budget", "attn=1", "--moves", "fit",
                  *few])
     assert code == 2 and "a fit needs at least" in capsys.readouterr().err
@@ -383,21 +382,6 @@ def test_default_moves_leave_out_fits_the_windows_cannot_support(exported, tmp_p
     result = json.loads(report.read_text())
     assert [row["method"] for row in result["methods"]] == ["ShortGPT-style block drop of the lowest block scores"]
     assert "ReplaceMe row left out" in result["skipped"][0]
-
-
-def test_the_plan_says_which_phase_it_is_in(exported, tmp_path, capsys):
-    """With progress on, each phase is announced on stderr with its number, in the order the planner runs them."""
-    code = main(["plan", *NO_TASK, str(exported("llama", True)), "-o", str(tmp_path / "model"), "--budget", "attn=1",
-                 "--samples", "4", "--search-samples", "1", "--eval-samples", "1", "--seq-len", "32", "--extra", "1",
-                 "--json", str(tmp_path / "plan.json")])
-    assert code == 0
-    rows = len(json.loads((tmp_path / "plan.json").read_text())["methods"])
-    err = capsys.readouterr().err
-    phases = [line for line in err.splitlines() if line.startswith("layerdrop plan: [")]
-    assert "measuring rows:" in err and f"/{rows + 1} [" in err and "best_held_out=" in err  # rows + the baseline
-    assert [p.split("]")[0] for p in phases] == [f"layerdrop plan: [{i}/3" for i in (1, 2, 3)]
-    assert "papers' methods" in phases[0] and "planner's search over fits" in phases[1]
-    assert "fitted bottom-up" in phases[1] and f"measuring {rows} rows" in phases[2]
 
 
 def _fixed_speedups(monkeypatch, measured: list) -> None:
@@ -473,7 +457,7 @@ def test_the_prefill_meter_times_what_the_moves_leave(exported):
         assert meter.speedup([1], [3]) > 0 and list(meter.measured) == [(frozenset({1}), frozenset({3}))]
 
 
-def test_graphs_of_one_structure_share_one_pooled_timing(exported, monkeypatch):
+def test_graphs_of_one_structure_share_one_pooled_timing(exported):
     """The same ops on the same weight shapes are one structure, whichever layers moved and whatever the weights (a
     fitted map in layer 1 or 3; a fitted run folded into a down-projection, or the same number of blocks dropped);
     the meter times a structure once, tops it up when asked for more runs, and its figure is the ratio of the
@@ -481,7 +465,6 @@ def test_graphs_of_one_structure_share_one_pooled_timing(exported, monkeypatch):
     import statistics
 
     from layerdrop.api.common import open_model
-    from layerdrop.runtime import bench
     from layerdrop.runtime.session import make_session
     from layerdrop.search.blocks import with_replaced_run
     from layerdrop.search.selection import PrefillMeter, structure_key
@@ -496,22 +479,11 @@ def test_graphs_of_one_structure_share_one_pooled_timing(exported, monkeypatch):
     folded = with_replaced_run(model, 0, 1, rng.normal(size=(32, 32)).astype(np.float32))
     assert structure_key(folded) == structure_key(meter.structure([1], []))
     assert structure_key(folded) != structure_key(meter.structure([2, 3], []))
-    calls, warm = [], []
-    real = bench.paired_speedup
-
-    def counted(base, other, seq, *, runs=5, warmup=2, base_warmup=None):
-        calls.append(runs)
-        warm.append(base_warmup)
-        return real(base, other, seq, runs=runs, warmup=warmup, base_warmup=base_warmup)
-
-    monkeypatch.setattr(bench, "paired_speedup", counted)
     first = meter.speedup([], [1])
-    assert calls == [2] and meter.timed(three, 2) == (first, 2, structure_key(one)) and calls == [2]
-    speedup, runs, key = meter.timed(three, 5)
-    assert calls == [2, 3] and runs == 5
+    assert meter.timed(three, 2) == (first, 2, structure_key(one))  # layer 3's map: layer 1's timing, no new runs
+    speedup, runs, key = meter.timed(three, 5)  # topped up to 5 runs
     base_ms, ms = meter.timings[key]
-    assert len(base_ms) == len(ms) == 5 and speedup == statistics.median(base_ms) / statistics.median(ms)
-    assert warm == [2, 1]  # the base is warmed twice on its first use, once after
+    assert runs == len(base_ms) == len(ms) == 5 and speedup == statistics.median(base_ms) / statistics.median(ms)
 
 
 def test_interleaved_runs_warm_each_runner_its_own_count_then_alternate():
@@ -565,7 +537,7 @@ def _speedup_plan(exported, tmp_path, monkeypatch, value: float):
     return folder, report
 
 
-def test_a_speedup_budget_mixes_a_fitted_run_with_fitted_attention(exported, tmp_path, monkeypatch, capsys):
+def test_a_speedup_budget_mixes_a_fitted_run_with_fitted_attention(exported, tmp_path, monkeypatch):
     """`--budget speedup=X --moves blocks,fit`: besides the attention rows and the block rows, a row with
     ReplaceMe's run of fewer blocks and the lowest-scored attention layers outside it fitted on the model with the
     run in place, sized by measured prefill (fixed speedups here); its perplexity is PyTorch's with the run and the
@@ -577,9 +549,6 @@ def test_a_speedup_budget_mixes_a_fitted_run_with_fitted_attention(exported, tmp
 
     # 1.3x: attention alone needs 3 layers (70 left), blocks alone 2 (70 left), a run of 1 block + 1 layer (75 left)
     folder, report = _speedup_plan(exported, tmp_path, monkeypatch, 1.3)
-    phases = re.findall(r"layerdrop plan: \[\d+/\d+\][^\r\n]*", capsys.readouterr().err)  # after bars' lines
-    assert [p.split("]")[0] for p in phases] == [f"layerdrop plan: [{i}/5" for i in range(1, 6)]
-    assert "sizing the rows" in phases[0] and "reaches 1.3x" in phases[0] and "measuring" in phases[-1]
     result = json.loads(report.read_text())
     assert result["attention_layers"] == 3 and result["block_count"] == 2 and result["speedup_tokens"] == 32
     rows = {row["method"]: row for row in result["methods"]}
@@ -601,9 +570,6 @@ def test_a_speedup_budget_mixes_a_fitted_run_with_fitted_attention(exported, tmp
     structures = {}  # rows of one structure share one timing: the two fits of 3 layers, the two drops of 3
     for row in result["methods"]:
         structures.setdefault(row["structure"], set()).add(row["speedup"])
-        runs = result["timings"][row["structure"]]  # every run behind the figure is in the report
-        assert len(runs["ms"]) == len(runs["base_ms"]) == row["speedup_runs"]
-        assert row["speedup"] == pytest.approx(float(np.median(runs["base_ms"]) / np.median(runs["ms"])))
     assert all(len(figures) == 1 for figures in structures.values())
     assert rows["attention fit on the lowest-scored layers"]["structure"] == rows["planner: fitted maps on the "
                                                                                   "layers it chose"]["structure"]
@@ -613,7 +579,7 @@ def test_a_speedup_budget_mixes_a_fitted_run_with_fitted_attention(exported, tmp
     assert f"| {lowest}:fit; blocks {start + 1}-{start + 1} into {start} |" in table
 
 
-def test_fits_get_a_row_at_the_block_rows_speed_where_blocks_overshoot(exported, tmp_path, monkeypatch, capsys):
+def test_fits_get_a_row_at_the_block_rows_speed_where_blocks_overshoot(exported, tmp_path, monkeypatch):
     """Under a speedup budget, where the block rows' measured speedup is above the attention rows' (a block is a
     coarser step), the planner's greedy search goes on past its count and a row fits the first layers it takes
     that reach the block rows' speedup (fixed speedups: 1.2x takes 2 layers at 1.25x and 2 blocks at 1.43x, which
@@ -623,7 +589,6 @@ def test_fits_get_a_row_at_the_block_rows_speed_where_blocks_overshoot(exported,
     from tests.torch_reference import perplexity as torch_perplexity
 
     folder, report = _speedup_plan(exported, tmp_path, monkeypatch, 1.2)
-    assert "and on to 3, the block rows' speed" in capsys.readouterr().err
     result = json.loads(report.read_text())
     assert result["attention_layers"] == 2 and result["block_count"] == 2
     rows = {row["method"]: row for row in result["methods"]}
