@@ -21,6 +21,7 @@ from tqdm import tqdm
 from layerdrop.errors import LayerdropError
 from layerdrop.model_folder import copy_model
 from layerdrop.passes.cleanup import run_passes
+from layerdrop.passes.fit_attention import FittedMap
 from layerdrop.passes.gated_search import GatedBypassPass, GatedFitPass, GatedMixedPass, move_feeds
 from layerdrop.passes.graph_cuts import HIDDEN_INPUT, segment, suffix_to_logits
 from layerdrop.passes.moves import move_passes
@@ -37,13 +38,13 @@ class GatedSuffix:
     """Perplexities of move sets over a fixed pool of layers on fixed windows, without a graph per move set: one
     gated suffix session for the current start layer (rebuilt only when the start changes).
 
-    With `fits` (layer -> (W, b) for every pool layer), a moved layer is replaced by its map instead of bypassed
+    With `fits` (layer -> FittedMap for every pool layer), a moved layer is replaced by its map instead of bypassed
     (`GatedFitPass`; the alphas of the moves are then not read); with `fits` and `mixed`, a move is an alpha or
     `FIT`, so both kinds mix (`GatedMixedPass`, with `means`)."""
 
     def __init__(self, model: ir.Model, folder: Path, windows: np.ndarray, layers: list[int],
                  means: dict[int, tuple[np.ndarray, np.ndarray]] | None = None, *,
-                 fits: dict[int, tuple[np.ndarray, np.ndarray]] | None = None, mixed: bool = False,
+                 fits: dict[int, FittedMap] | None = None, mixed: bool = False,
                  options: RunOptions = RunOptions()) -> None:
         self.model, self.folder, self.windows, self.layers = model, folder, windows, sorted(layers)
         self.means, self.fits, self.options = means, fits, options

@@ -81,17 +81,18 @@ def branch_means(model: ir.Model, folder: Path, windows: Windows, layers: list[i
     return {layer: (pair[0] / tokens, pair[1] / tokens) for layer, pair in sums.items()}
 
 
-def branch_ideal(folder: Path, attention_layers: list[int], seq: int, options: RunOptions = RunOptions()) -> dict:
+def branch_ideal(folder: Path, attention_layers: list[int], seq: int, options: RunOptions = RunOptions(),
+                 runs: int = 3) -> dict:
     """The profile-based ideal speedup of removing the attention branches of `attention_layers` from the graph in
     `folder` (see `module_ideal`)."""
-    return module_ideal(folder, {("attn", layer) for layer in attention_layers}, seq, options)
+    return module_ideal(folder, {("attn", layer) for layer in attention_layers}, seq, options, runs)
 
 
-def module_ideal(folder: Path, modules: set[tuple[str, int]], seq: int, options: RunOptions = RunOptions()
-                 ) -> dict:
+def module_ideal(folder: Path, modules: set[tuple[str, int]], seq: int, options: RunOptions = RunOptions(),
+                 runs: int = 3) -> dict:
     """The profile-based ideal speedup of removing the branches `modules` ((kind, layer), kind attn or mlp) from
     the graph in `folder`: its node time over its node time minus those branches' (ONNX Runtime profile at `seq`
-    tokens).
+    tokens, `runs` profiled prefills).
 
     Unlike a comparison of node names, this holds for fused graphs, whose fused nodes are renumbered on every
     rewrite: the branches are found in the graph itself (skip-norms split for the analysis only; their time, a
@@ -100,7 +101,7 @@ def module_ideal(folder: Path, modules: set[tuple[str, int]], seq: int, options:
     """
     _, model = load(folder)
     run_passes(model, [UnfuseSkipNormPass(), FindResidualsPass()])
-    times = node_times(folder, seq, provider=options.provider, threads=options.threads)
+    times = node_times(folder, seq, runs=runs, provider=options.provider, threads=options.threads)
     removed = sum(times.get(node.name, 0.0) for region in annotated_regions(model)
                   if (region.kind, region.layer) in modules for node in region.branch)
     total = sum(times.values())

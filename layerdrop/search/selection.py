@@ -235,7 +235,7 @@ class PrefillMeter:
     def structure(self, blocks: Iterable[int], attention: Iterable[int]) -> ir.Model:
         """A copy of the model with `blocks` dropped and `attention` replaced by zero maps (or dropped)."""
         from layerdrop.model_folder import copy_model
-        from layerdrop.passes.fit_attention import FitAttentionPass
+        from layerdrop.passes.fit_attention import FitAttentionPass, FittedMap
 
         copy = copy_model(self.model)
         attention = sorted(set(attention) - set(blocks))
@@ -247,7 +247,8 @@ class PrefillMeter:
             if not all(isinstance(d, int) for d in width.values()):
                 raise LayerdropError("a speedup budget needs the hidden size in the graph's shapes to time fitted "
                                      "maps; run the graph through onnx shape inference, or use --moves drop,blocks")
-            passes.append(FitAttentionPass({k: (np.zeros((self.maps * d, d), np.float32), np.zeros(d, np.float32))
+            passes.append(FitAttentionPass({k: FittedMap(np.zeros((self.maps * d, d), np.float32),
+                                                         np.zeros(d, np.float32), previous=self.maps == 2)
                                             for k, d in width.items()}, reason="sizing"))
         run_passes(copy, [*passes, *tidy_passes()])
         return copy

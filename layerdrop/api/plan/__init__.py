@@ -261,7 +261,7 @@ def _measured(inputs: Inputs, windows: PlanWindows, candidates: list[Candidate],
         accuracy_items=len(held_out.items) if held_out.items is not None else 0,
         accuracy_task=held_out.items or [],
         fit_text=inputs.fit.source if inputs.fit is not None and fitted else None,
-        fit_previous=any(len(w) == 2 * w.shape[1] for c in candidates for w, _ in (c.fits or {}).values()),
+        fit_previous=any(m.previous for c in candidates for m in (c.fits or {}).values()),
         skipped=skipped, **(meter.record() if meter is not None else {}))
 
 

@@ -36,7 +36,7 @@ class Candidate:
     name: str
     alphas: dict[int, float] = field(default_factory=dict)  # V·O bypasses, alpha 0 = drop
     means: dict | None = None  # the mean shift of those layers
-    fits: dict | None = None  # layer -> (W, b)
+    fits: dict | None = None  # layer -> FittedMap
     blocks: list[int] = field(default_factory=list)  # whole blocks dropped
     run: BlockFit | None = None  # a ReplaceMe run
     ridges: dict | None = None  # layer -> the ridge each fit chose by its error on the search windows

@@ -100,7 +100,7 @@ class Measure:
         rewritten = candidate.applied_to(self.model)
         run = candidate.run
         sets = self.held_out.sets(self.search)
-        ppl = self._perplexities(rewritten, candidate, sets)
+        ppl = self.perplexities(rewritten, candidate, sets)
         row = PlanRow(
             method=candidate.name, alphas={int(k): v for k, v in sorted(candidate.alphas.items())},
             fits=sorted(candidate.fits or {}), shift=candidate.means is not None,
@@ -116,13 +116,13 @@ class Measure:
         if self.held_out.items is not None:
             if session is None:
                 session = self.options.session(rewritten, folder=self.folder)
-            scores = self._accuracy(rewritten, session)
+            scores = self.accuracy(rewritten, session)
             row.accuracy, row.accuracy_correct = scores.accuracy, [int(c) for c in scores.correct]
         if timed:
             row.speedup, row.speedup_runs, row.structure = self.meter.timed(rewritten, self.runs, session)
         return row
 
-    def _perplexities(self, rewritten: ir.Model, candidate: Candidate, sets: dict[str, Windows]) -> dict[str, float]:
+    def perplexities(self, rewritten: ir.Model, candidate: Candidate, sets: dict[str, Windows]) -> dict[str, float]:
         """The rewritten model's perplexity on each window set, from its lowest changed layer where the prefix keeps
         the baseline's state there (the baseline fills the prefix from these runs); the session is freed on
         return."""
@@ -148,7 +148,7 @@ class Measure:
                 prefix.states.setdefault(layer, {})[key] = np.concatenate(capture[name])
         return found
 
-    def _accuracy(self, rewritten: ir.Model, session):
+    def accuracy(self, rewritten: ir.Model, session):
         """lm-eval's accuracy on the held-out items and each item's outcome (`runtime.tasks.ChoiceScores`), through
         the `layerdrop` lm-eval model on the row's own session."""
         from layerdrop.runtime.harness import LayerdropLM
