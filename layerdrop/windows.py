@@ -26,6 +26,7 @@ import codecs
 import hashlib
 import itertools
 import json
+import re
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ PERIOD_MIN = 16 * 1024
 BLOCK = 1 << 20  # bytes per read
 CHUNK_CHARS = 1 << 16  # characters per tokenizer call when streaming
 LINE_CAP = 1 << 16  # bytes a line may reach beyond its run before it is cut
+READ_AHEAD = 1 << 14  # bytes first read of a JSON Lines record (most are short)
 DOCUMENT_JOINER = "\n\n"  # between files of a folder and between JSON Lines records
 
 
@@ -228,6 +230,7 @@ class TextSource:
     path: Path
     text_field: str = "text"
     files: tuple[_File, ...] = field(default=(), compare=False)
+    records: dict[Path, list[_Record]] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def open(cls, path: Path, text_field: str = "text") -> TextSource:
@@ -276,17 +279,21 @@ class TextSource:
     # -- reading ------------------------------------------------------------------------------------------------
 
     def documents(self) -> Iterator[str]:
-        """The whole text from the start, in pieces (the joiner between files and between records)."""
+        """The whole text from the start, in pieces of at most CHUNK_CHARS (the joiner between files and between
+        records), so that streaming tokenization holds one chunk's tokens at a time."""
         for index, item in enumerate(self.files):
             if index:
                 yield DOCUMENT_JOINER
-            yield from self._pieces(item)
+            for piece in self._pieces(item):
+                yield from (piece[i:i + CHUNK_CHARS] for i in range(0, len(piece), CHUNK_CHARS))
 
     def lines_from(self, start: int, end: int) -> tuple[str, list[int], list[int]]:
-        """The text of the lines (records) that begin in the joined byte range [start, end).
+        """The text of the lines that begin in the joined byte range [start, end).
 
-        Returns the text, the character index where each line (record) begins in it, and each one's byte offset.
-        A line running far past `end` is cut after LINE_CAP more bytes.
+        Lines of JSON Lines are the lines of the records' text: each record's first line begins at its string's
+        first character, the others after each `\\n` escape. Returns the text (DOCUMENT_JOINER between records and
+        between the files of a folder), the character index where each line begins in it, and each one's byte
+        offset. A line running far past `end` is cut after LINE_CAP more bytes.
         """
         parts: list[str] = []
         line_chars: list[int] = []
@@ -296,10 +303,11 @@ class TextSource:
             low, high = max(start, item.offset), min(end, item.offset + item.size)
             if low >= high:
                 continue
-            for text, offset in self._lines(item, low - item.offset, high - item.offset):
-                if item.jsonl and not text:
+            lines = self._record_lines if item.jsonl else self._lines
+            for text, offset, begins in lines(item, low - item.offset, high - item.offset):
+                if not text:
                     continue
-                if parts and (item.jsonl or offset == 0):  # a new record, or a new file of a folder
+                if parts and begins:  # a new record, or a new file of a folder
                     parts.append(DOCUMENT_JOINER)
                     length += len(DOCUMENT_JOINER)
                 line_chars.append(length)
@@ -308,61 +316,83 @@ class TextSource:
                 length += len(text)
         return "".join(parts), line_chars, line_bytes
 
-    def _lines(self, item: _File, low: int, high: int) -> Iterator[tuple[str, int]]:
-        """(text, byte offset) of each line or record of `item` that begins in [low, high)."""
+    def byte_after(self, offset: int, fragment: str) -> int:
+        """The joined byte offset where `fragment`, read from the line text at `offset`, ends in the file (in JSON
+        Lines: each character as written in the record, an escape sequence or its UTF-8 bytes)."""
+        if not fragment:
+            return offset
+        item = [f for f in self.files if f.offset <= offset][-1]
+        if not item.jsonl:
+            return offset + len(fragment.encode())
+        with open(item.path, "rb") as handle:
+            handle.seek(offset - item.offset)
+            raw = handle.read(12 * len(fragment))
+        position = 0
+        for _ in fragment:
+            position = _ONE_CHARACTER.match(raw, position).end()
+        return offset + position
+
+    def _lines(self, item: _File, low: int, high: int) -> Iterator[tuple[str, int, bool]]:
+        """(text, byte offset, begins the file) of each line of a plain text file that begins in [low, high)."""
         with open(item.path, "rb") as handle:
             position = low
             if low > 0:  # begin at the first line that starts at or after `low`
                 handle.seek(low - 1)
                 if handle.read(1) != b"\n":
-                    handle.readline()
+                    _skip_line(handle)
                 position = handle.tell()
             while position < high:
                 raw = handle.readline((high - position) + LINE_CAP)
                 if not raw:
                     return
                 cut = not raw.endswith(b"\n") and handle.read(1) not in (b"", b"\n")
-                yield self._decode_line(item, raw, position, cut), position
+                yield _decode_line(item, raw, position, cut), position, position == 0
                 if cut:  # a line past LINE_CAP: its rest belongs to no window
-                    handle.readline()
+                    _skip_line(handle)
                 position = handle.tell()
 
-    def _decode_line(self, item: _File, raw: bytes, position: int, cut: bool) -> str:
-        if b"\x00" in raw:
-            raise LayerdropError(f"{item.path} looks binary (a NUL byte near byte {position}); pass UTF-8 text")
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            if not (cut and exc.start >= len(raw) - 3 and exc.reason == "unexpected end of data"):
-                raise LayerdropError(f"{item.path} is not UTF-8 (byte {position + exc.start}); convert it to "
-                                     "UTF-8") from None
-            text = raw[:exc.start].decode("utf-8")  # the cap cut a character in two
-        if not item.jsonl:
-            return text
-        return self._record_text(item, text, position)
+    def _record_lines(self, item: _File, low: int, high: int) -> Iterator[tuple[str, int, bool]]:
+        """(text, byte offset, begins a record) of each line of JSON Lines records' text that begins in
+        [low, high), reading a record's string only around that range."""
+        with open(item.path, "rb") as handle:
+            start = self._record_start(item, handle, low)
+            scanner = _RecordScanner(item, handle)
+            while start < min(high, item.size):
+                record = self._record(scanner, start)
+                if record.text is not None and record.text[0] < high:
+                    yield from _string_lines(item, handle, record, low, high)
+                start = record.end
 
-    def _record_text(self, item: _File, line: str, position: int) -> str:
-        if not line.strip():
-            return ""
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            raise LayerdropError(f"{item.path}:{_line_number(item.path, position)}: not a JSON object; each line of "
-                                 "a JSON Lines file must be one") from None
-        value = record.get(self.text_field) if isinstance(record, dict) else None
-        if not isinstance(value, str):
-            raise LayerdropError(f"{item.path}:{_line_number(item.path, position)}: no text field "
-                                 f"{self.text_field!r}; name the field with --text-field")
-        return value
+    def _record_start(self, item: _File, handle, low: int) -> int:
+        """Where the record that holds byte `low` begins (a record ends at a raw line break)."""
+        for record in self.records.get(item.path, ()):
+            if record.start <= low < record.end:
+                return record.start
+        position = low
+        while position > 0:
+            take = min(BLOCK, position)
+            handle.seek(position - take)
+            found = handle.read(take).rfind(b"\n")
+            if found >= 0:
+                return position - take + found + 1
+            position -= take
+        return 0
+
+    def _record(self, scanner: _RecordScanner, start: int) -> _Record:
+        """The record that begins at byte `start`: where it ends and where its text field's string lies (remembered
+        for records longer than a block, which runs inside them would otherwise scan again)."""
+        for record in self.records.get(scanner.item.path, ()):
+            if record.start == start:
+                return record
+        record = scanner.record(start, self.text_field)
+        if record.end - record.start > BLOCK:
+            self.records.setdefault(scanner.item.path, []).append(record)
+        return record
 
     def _pieces(self, item: _File) -> Iterator[str]:
         """The text of a whole file from its start, in pieces of about a block (records joined for JSON Lines)."""
         if item.jsonl:
-            first = True
-            for text, _ in self._lines(item, 0, item.size):
-                if text:
-                    yield text if first else DOCUMENT_JOINER + text
-                    first = False
+            yield from self._record_pieces(item)
             return
         decoder = codecs.getincrementaldecoder("utf-8")(errors="strict")
         position = 0
@@ -381,6 +411,267 @@ class TextSource:
             except UnicodeDecodeError:
                 raise LayerdropError(f"{item.path} is not UTF-8 (it ends inside a character); convert it to "
                                      "UTF-8") from None
+
+    def _record_pieces(self, item: _File) -> Iterator[str]:
+        first = True
+        with open(item.path, "rb") as handle:
+            start = 0
+            scanner = _RecordScanner(item, handle)
+            while start < item.size:
+                record = self._record(scanner, start)
+                start = record.end
+                if record.text is None or record.text[0] == record.text[1]:
+                    continue
+                if not first:
+                    yield DOCUMENT_JOINER
+                first = False
+                position, stop = record.text
+                while position < stop:
+                    handle.seek(position)
+                    raw = handle.read(min(BLOCK, stop - position))
+                    text, used = _decode_string(item, record, raw, final=position + len(raw) == stop)
+                    yield text
+                    position += used
+
+
+# -- JSON Lines records of any length -------------------------------------------------------------------------------
+# A record is read as a JSON object only as far as finding where its text field's string lies; the string itself is
+# decoded a piece at a time, cut only between escape sequences and between UTF-8 characters, so no record is ever
+# held whole.
+
+_STRING_BODY = re.compile(rb'[^"\\\x00-\x1f]*(?:\\[^\x00-\x1f][^"\\\x00-\x1f]*)*')
+_ESCAPE = re.compile(rb"\\(?:u[0-9a-fA-F]{4}|[^u])")
+_NEWLINE_ESCAPES = (b"\\n", b"\\u000a", b"\\u000A")
+_ONE_CHARACTER = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}|\\u[0-9a-fA-F]{4}|\\.|"
+                            rb"[\x00-\x7f]|[\xc0-\xdf][\x80-\xbf]|[\xe0-\xef][\x80-\xbf]{2}|[\xf0-\xf7][\x80-\xbf]{3}",
+                            re.DOTALL)
+_SCALAR = re.compile(rb"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?|true|false|null")
+_NESTED_PLAIN = re.compile(rb'[^"{}\[\]\n]*')
+
+
+@dataclass(frozen=True)
+class _Record:
+    start: int  # byte offset of the record's first byte in its file
+    end: int  # just past its line break
+    text: tuple[int, int] | None  # the text field's string between its quotes (None: a blank line)
+
+
+def _malformed(item: _File, start: int) -> LayerdropError:
+    return LayerdropError(f"{item.path}:{_line_number(item.path, start)}: not a JSON object; each line of a JSON Lines "
+                          "file must be one")
+
+
+class _RecordScanner:
+    """Walks one record from its first byte in blocks: the object's keys, skipping values other than the text
+    field, to the record's line break."""
+
+    def __init__(self, item: _File, handle) -> None:
+        self.item, self.handle = item, handle
+        self.buffer, self.base, self.position = b"", 0, 0  # buffer holds the file from byte `base`
+        self.start = 0  # where the record being read begins
+
+    def _more(self) -> bool:
+        self.handle.seek(self.base + len(self.buffer))  # the handle is shared with readers of strings
+        block = self.handle.read(BLOCK if self.buffer else READ_AHEAD)
+        if not block:
+            return False
+        self.buffer = self.buffer[self.position - self.base:] + block
+        self.base = self.position
+        return True
+
+    def _peek(self) -> int | None:
+        while self.position - self.base >= len(self.buffer):
+            if not self._more():
+                return None
+        return self.buffer[self.position - self.base]
+
+    def _space(self) -> int | None:
+        while (byte := self._peek()) is not None and byte in b" \t\r":
+            self.position += 1
+        return byte
+
+    def _expect(self, byte: bytes) -> None:
+        if self._space() != byte[0]:
+            raise _malformed(self.item, self.start)
+        self.position += 1
+
+    def _string(self) -> tuple[int, int]:
+        """Skip a string (at its opening quote); returns where its body begins and ends."""
+        self.position += 1
+        begin = self.position
+        while True:
+            match = _STRING_BODY.match(self.buffer, self.position - self.base)
+            self.position = self.base + match.end()
+            offset = self.position - self.base
+            if offset < len(self.buffer):
+                if self.buffer[offset] == ord('"'):
+                    self.position += 1
+                    return begin, self.position - 1
+                split = self.buffer[offset] == ord("\\") and offset == len(self.buffer) - 1
+                if not (split and self._more()):  # only an escape cut by the block may read on
+                    raise _malformed(self.item, self.start)
+            elif not self._more():
+                raise _malformed(self.item, self.start)
+
+    def _value(self) -> None:
+        byte = self._space()
+        if byte == ord('"'):
+            self._string()
+        elif byte is not None and byte in b"{[":
+            depth = 0
+            while True:
+                byte = self._peek()
+                if byte is None or byte == ord("\n"):
+                    raise _malformed(self.item, self.start)
+                if byte == ord('"'):
+                    self._string()
+                    continue
+                depth += 1 if byte in b"{[" else -1 if byte in b"}]" else 0
+                self.position += 1
+                if depth == 0:
+                    return
+                self.position = self.base + _NESTED_PLAIN.match(self.buffer, self.position - self.base).end()
+        else:
+            self._peek()
+            if len(self.buffer) - (self.position - self.base) < 64:
+                self._more()
+            match = _SCALAR.match(self.buffer, self.position - self.base)
+            if not match:
+                raise _malformed(self.item, self.start)
+            self.position = self.base + match.end()
+
+    def _key(self) -> str | None:
+        begin, end = self._string()
+        if begin - 1 < self.base:  # a key longer than a block is no field name anyone passes
+            return None
+        try:
+            return json.loads(self.buffer[begin - 1 - self.base:end + 1 - self.base])
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise _malformed(self.item, self.start) from None
+
+    def record(self, start: int, text_field: str) -> _Record:
+        """The record from byte `start` to its line break; refuses a malformed one or one without the text field."""
+        if not self.base <= start <= self.base + len(self.buffer):
+            self.buffer, self.base = b"", start
+        self.position = self.start = start
+        byte = self._space()
+        if byte is None or byte == ord("\n"):
+            return _Record(self.start, self.position + (byte is not None), None)
+        self._expect(b"{")
+        text = None
+        if self._space() == ord("}"):
+            self.position += 1
+        else:
+            while True:
+                if self._space() != ord('"'):
+                    raise _malformed(self.item, self.start)
+                key = self._key()
+                self._expect(b":")
+                if key == text_field:
+                    text = self._string() if self._space() == ord('"') else None
+                    if text is None:
+                        self._value()
+                else:
+                    self._value()
+                separator = self._space()
+                self.position += 1
+                if separator == ord("}"):
+                    break
+                if separator != ord(","):
+                    raise _malformed(self.item, self.start)
+        byte = self._space()
+        if byte not in (None, ord("\n")):
+            raise _malformed(self.item, self.start)
+        if text is None:
+            raise LayerdropError(f"{self.item.path}:{_line_number(self.item.path, self.start)}: no text field "
+                                 f"{text_field!r}; name the field with --text-field")
+        return _Record(self.start, self.position + (byte is not None), text)
+
+
+def _string_lines(item: _File, handle, record: _Record, low: int, high: int) -> Iterator[tuple[str, int, bool]]:
+    """(text, byte offset, begins the record) of each line of a record's string that begins in [low, high); the
+    last one read at most LINE_CAP bytes past `high`."""
+    begin, stop = record.text
+    first = max(low, begin)
+    if first >= stop:
+        return
+    aligned = _escape_start(handle, begin, first)
+    end = min(stop, high + LINE_CAP)
+    handle.seek(aligned)
+    raw = handle.read(end - aligned)
+    breaks = [aligned + m.end() for m in _ESCAPE.finditer(raw) if m.group() in _NEWLINE_ESCAPES]
+    starts = ([begin] if begin >= low else []) + [b for b in breaks if low <= b < min(high, stop)]
+    for start in starts:
+        after = bisect.bisect_right(breaks, start)
+        line_end = breaks[after] if after < len(breaks) else end
+        whole = line_end != end or end == stop  # else the line was cut at LINE_CAP
+        text, _ = _decode_string(item, record, raw[start - aligned:line_end - aligned], final=whole)
+        yield text, start, start == begin
+
+
+def _escape_start(handle, begin: int, position: int) -> int:
+    """`position`, or where the escape sequence it falls inside begins (`begin`: where the string's body begins)."""
+    look = max(begin, position - 6)
+    handle.seek(look)
+    before = handle.read(position - look)
+    last = before.rfind(b"\\")
+    if last < 0:
+        return position
+    run, at = 1, look + last  # backslashes ending at `at`; an odd run means `at` begins an escape
+    while at - run >= begin:
+        handle.seek(at - run)
+        if handle.read(1) != b"\\":
+            break
+        run += 1
+    if run % 2 == 0:
+        return position
+    handle.seek(at + 1)
+    width = 6 if handle.read(1) == b"u" else 2
+    return at if at + width > position else position
+
+
+def _decode_string(item: _File, record: _Record, raw: bytes, *, final: bool) -> tuple[str, int]:
+    """The text of a piece of a JSON string's body and how many of its bytes it used: all of them when `final`,
+    else up to the last whole escape sequence (a surrogate pair kept together) and the last whole UTF-8 character."""
+    cut = len(raw)
+    if not final:
+        last = raw.rfind(b"\\", max(0, cut - 12))
+        if last >= 0:
+            run = len(raw[:last + 1]) - len(raw[:last + 1].rstrip(b"\\"))
+            if run % 2:  # `last` begins an escape sequence
+                width = 6 if raw[last + 1:last + 2] == b"u" else 2
+                high_surrogate = width == 6 and raw[last + 2:last + 4].lower() in (b"d8", b"d9", b"da", b"db")
+                if last + (12 if high_surrogate else width) > cut:
+                    cut = last
+        lead = cut - 1
+        while lead >= 0 and lead > cut - 4 and 0x80 <= raw[lead] < 0xC0:
+            lead -= 1
+        if lead >= 0 and raw[lead] >= 0xC0:
+            size = 2 if raw[lead] < 0xE0 else 3 if raw[lead] < 0xF0 else 4
+            if lead + size > cut:
+                cut = lead
+    try:
+        return json.loads(b'"' + raw[:cut] + b'"'), cut
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise _malformed(item, record.start) from None
+
+
+def _skip_line(handle) -> None:
+    """Read past the next line break, a block at a time."""
+    while (chunk := handle.readline(BLOCK)) and not chunk.endswith(b"\n"):
+        pass
+
+
+def _decode_line(item: _File, raw: bytes, position: int, cut: bool) -> str:
+    if b"\x00" in raw:
+        raise LayerdropError(f"{item.path} looks binary (a NUL byte near byte {position}); pass UTF-8 text")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if not (cut and exc.start >= len(raw) - 3 and exc.reason == "unexpected end of data"):
+            raise LayerdropError(f"{item.path} is not UTF-8 (byte {position + exc.start}); convert it to "
+                                 "UTF-8") from None
+        return raw[:exc.start].decode("utf-8")  # the cap cut a character in two
 
 
 def _is_jsonl(path: Path) -> bool:
@@ -630,6 +921,7 @@ class _Run:
     """The tokenized lines (records) that begin in one byte range of a source, and where windows may start."""
 
     def __init__(self, source: TextSource, tokenizer: ModelTokenizer, start: int, end: int) -> None:
+        self.source = source
         self.text, self.line_chars, self.line_bytes = source.lines_from(start, end)
         self.ids, self.char_starts = _tokens_of(tokenizer, self.text)
         # a window starts at the first token of a line (or record)
@@ -650,7 +942,7 @@ class _Run:
         """Byte offset of a token's first character in the joined source."""
         char = self.char_starts[token]
         line = bisect.bisect_right(self.line_chars, char) - 1
-        return self.line_bytes[line] + len(self.text[self.line_chars[line]:char].encode())
+        return self.source.byte_after(self.line_bytes[line], self.text[self.line_chars[line]:char])
 
 
 def _tokens_of(tokenizer: ModelTokenizer, text: str) -> tuple[list[int], list[int]]:
