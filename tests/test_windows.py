@@ -67,7 +67,7 @@ def test_streamed_tokens_equal_one_call_on_the_whole_text(kind, chunk, tiny_toke
 
 
 def test_from_start_windows_are_the_first_windows_of_the_whole_text(monkeypatch, tiny_tokenizer_file, tmp_path):
-    monkeypatch.setattr(windows, "CHUNK_CHARS", 500)  # many chunk boundaries inside the windows
+    monkeypatch.setattr(windows.tokenizer, "CHUNK_CHARS", 500)  # many chunk boundaries inside the windows
     folder = _folder_with(tmp_path, tiny_tokenizer_file)
     got = draw_windows(folder, None, role="calib", samples=6, seq_len=100, sampling=Sampling(from_start=True))
     ids = Tokenizer.from_file(str(tiny_tokenizer_file)).encode(TEXT, add_special_tokens=False).ids
@@ -239,6 +239,10 @@ def test_a_gigabyte_of_a_few_huge_records_costs_no_more_memory_than_a_small_file
     ('{"text": "a fine line"}\n{"text": 3}\n', r"corpus\.jsonl:2: no text field 'text'"),
     ('{"text": "a fine line"}\n{"text": "ok"}\n{broken\n', r"corpus\.jsonl:3: not a JSON object"),
     ('[{"text": "an array"}]\n', r"corpus\.jsonl:1: not JSON Lines"),
+    ('{"text": "ok"}\n{"text": "' + "long " * 100_000 + '\n{"text": "ok"}\n', r"corpus\.jsonl:2: not a JSON object"),
+    ('{"text": "ok"}\n\n{"text": "' + "long " * 100_000 + '\\x"}\n', r"corpus\.jsonl:3: not a JSON object"),
+    ('{"text": "ok"}\n{"id": [1, {"text": 2}], "text": 7, "n": "' + "x" * 300_000 + '"}\n',
+     r"corpus\.jsonl:2: no text field 'text'"),
 ])
 def test_bad_json_lines_name_the_file_and_line(tiny_tokenizer_file, tmp_path, content, expected):
     folder = _folder_with(tmp_path, tiny_tokenizer_file)
