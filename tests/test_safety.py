@@ -1,4 +1,4 @@
-"""Issue 8: bad input gets one clear line and exit 2; inputs stay untouched; no partial output; interrupts exit
+"""Bad input gets one clear line and exit 2; inputs stay untouched; no partial output; interrupts exit
 130; identical inputs give identical outputs; randomly mutated graphs never crash a command."""
 
 from __future__ import annotations

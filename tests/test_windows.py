@@ -1,4 +1,4 @@
-"""Issues 19 and 14: texts of any size and format become windows that follow the model's tokenizer.
+"""Texts of any size and format become windows that follow the model's tokenizer.
 
 References are independent of the code under test: one tokenizer call on the whole text, the text decoded from the
 byte offsets the windows record, transformers' own tokenizer for the BOS convention.
