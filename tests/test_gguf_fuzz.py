@@ -99,6 +99,7 @@ for case in sys.argv[1:]:
 """
 
 
+@pytest.mark.slow  # four of the cases export for real: minutes on 2 cores
 def test_a_damaged_gguf_ends_in_one_line_and_exit_2_or_a_correct_export(tmp_path):
     original = tmp_path / "tiny.gguf"
     write_tiny_llama_gguf(original)
