@@ -13,9 +13,9 @@ import numpy as np
 import onnx_ir as ir
 
 from layerdrop.errors import LayerdropError
+from layerdrop.passes._ir_utils import add_initializer
 from layerdrop.passes.drop_branches import bypass, expand_targets
 from layerdrop.passes.find_residuals import annotated_regions
-from layerdrop.passes.harp_bypass import initializer
 from layerdrop.passes.metadata import record_removals, removal_record
 
 
@@ -41,7 +41,8 @@ class ReplaceBlocksPass(ir.passes.InPlacePass):
         run = [("block", layer) for layer in range(self.start + 1, self.start + 1 + self.count)]
         chosen = expand_targets(regions, run)
         dtype = mlp.skip.dtype.numpy() if mlp.skip.dtype is not None else np.float32
-        weight = initializer(model.graph, f"layerdrop.replaceme.{self.start}.transform", self.transform.astype(dtype))
+        name = f"layerdrop.replaceme.{self.start}.transform"
+        weight = add_initializer(model.graph, name, self.transform.astype(dtype))
         project = ir.node("MatMul", [mlp.branch_output, weight])
         model.graph.insert_before(mlp.add, [project])
         mlp.add.replace_input_with(0 if mlp.add.inputs[0] is mlp.branch_output else 1, project.outputs[0])

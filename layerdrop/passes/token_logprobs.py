@@ -19,6 +19,7 @@ import onnx_ir as ir
 from layerdrop.errors import LayerdropError
 from layerdrop.formats import TOKEN_LOGPROBS
 from layerdrop.model_folder import copy_model
+from layerdrop.passes._ir_utils import add_initializer
 
 
 class TokenLogprobsPass(ir.passes.InPlacePass):
@@ -44,8 +45,8 @@ class TokenLogprobsPass(ir.passes.InPlacePass):
         if ids is None:
             ids = ir.Value(name="input_ids", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape(["batch", "seq"]))
             graph.inputs.append(ids)
-        one, minus_one = _constant(graph, "one", 1), _constant(graph, "minus_one", -1)
-        zero, end = _constant(graph, "zero", 0), _constant(graph, "end", np.iinfo(np.int64).max)
+        one, minus_one = _index(graph, "one", 1), _index(graph, "minus_one", -1)
+        zero, end = _index(graph, "zero", 0), _index(graph, "end", np.iinfo(np.int64).max)
         scores = logits
         if logits.dtype not in (None, ir.DataType.FLOAT):
             scores = _append(graph, "Cast", [logits], "logits_float", to=ir.DataType.FLOAT)
@@ -61,10 +62,8 @@ class TokenLogprobsPass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=True)
 
 
-def _constant(graph: ir.Graph, name: str, value: int) -> ir.Value:
-    constant = ir.Value(name=f"layerdrop_logprobs_{name}", const_value=ir.tensor(np.array([value], np.int64)))
-    graph.register_initializer(constant)
-    return constant
+def _index(graph: ir.Graph, name: str, value: int) -> ir.Value:
+    return add_initializer(graph, f"layerdrop_logprobs_{name}", np.array([value], np.int64))
 
 
 def _append(graph: ir.Graph, op: str, inputs: list[ir.Value], name: str, **attributes) -> ir.Value:
