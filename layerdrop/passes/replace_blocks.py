@@ -35,6 +35,8 @@ class ReplaceBlocksPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         regions = annotated_regions(model)
+        if self.count == 0:  # no block to replace: the transform would stand in for nothing
+            return ir.passes.PassResult(model, modified=False)
         mlp = next((r for r in regions if r.kind == "mlp" and r.layer == self.start), None)
         if mlp is None:
             raise LayerdropError(f"block {self.start} has no MLP to carry the fitted transform")
