@@ -2,11 +2,9 @@
 
     layerdrop_token_logprobs[b, t] = LogSoftmax(logits[b, t])[input_ids[b, t + 1]]     t < seq - 1
 
-Perplexity over a vocabulary of 49k tokens spent about a second per 16 windows of 256 tokens in numpy's
-single-threaded log-softmax, as much as several decoder layers; ONNX Runtime's LogSoftmax runs on every thread and
-never hands the [batch, seq, vocab] logits back (`benchmarks/perplexity_speed.py`). Its log-softmax is float32
-throughout: per token within 4e-5 of a float64 one, with a bias of about 1e-5 from summing 49k terms in float32,
-so a perplexity moves by about 2e-5 of itself (numpy's path sums in float64: within 1e-7). The logits stay an
+A log-softmax over a large vocabulary in numpy is single-threaded and needs the [batch, seq, vocab] logits
+copied out of ONNX Runtime; its LogSoftmax runs on every thread and never hands them back. It sums in float32, so a
+perplexity from it can differ from a float64 one in the last few digits. The logits stay an
 output (the same session serves lm-eval), but a session built from this graph computes the log-softmax on every
 run, so prefill timings use a graph without it.
 """
