@@ -12,7 +12,7 @@ from pathlib import Path
 import onnx
 import pytest
 
-from layerdrop.api.reports import plan_table, reproduce_command, run_snippet, text_labels
+from layerdrop.api.reports import describe_items, plan_table, reproduce_command, run_snippet, text_labels
 from layerdrop.cli import main
 from layerdrop.cli.parser import build_parser
 from layerdrop.formats import DROPPED_KEY, is_past
@@ -117,3 +117,8 @@ def test_reproduce_command_quotes_paths_for_the_shell():
                                                        "--seq": (256, 1024), "--force": True, "--calib": None})
     assert shlex.split(command) == ["layerdrop", "plan", "my model", "-o", "out dir", "--also-eval", "a b.txt",
                                     "--also-eval", "docs", "--seq", "256,1024", "--force"]
+
+
+def test_task_items_are_described_by_their_count_and_the_text_they_were_built_from():
+    line = describe_items(200, {"file": "eval.txt", "sha256": "3f2a1c9b0d4e" + "0" * 52})
+    assert "200" in line and "eval.txt" in line and "3f2a1c9b0d4e" in line

@@ -65,6 +65,13 @@ def describe_text(role: str, source: dict) -> str:
             f"{source.get('samples', '?')} windows of {source.get('seq_len', '?')} tokens, {layout}{field})")
 
 
+def describe_items(count: int, source: dict) -> str:
+    """'accuracy: 200 multiple-choice items built from eval.txt (SHA-256 3f2a1c9b0d4e)', for task items a report's
+    accuracy figures come from."""
+    return (f"accuracy: {count} multiple-choice items built from {source.get('file') or 'text'} "
+            f"(SHA-256 {(source.get('sha256') or '?')[:12]})")
+
+
 def run_snippet(folder: Path) -> tuple[str, str]:
     """(runtime, Python) that loads the model folder and generates from it: onnxruntime-genai where the folder has
     what it reads (genai_config.json, and tokenizer.json with tokenizer_config.json), else an ONNX Runtime session
