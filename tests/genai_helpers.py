@@ -42,7 +42,7 @@ def genai_greedy_batch(folder: Path, prompts: list[list[int]], steps: int) -> li
 
     model = og.Model(str(folder))
     config = json.loads((folder / "genai_config.json").read_text())["model"]
-    pad, eos = config["pad_token_id"], config.get("eos_token_id")
+    pad, eos = config.get("pad_token_id", 0), config.get("eos_token_id")  # 0: its default
     width = max(map(len, prompts))
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=width + steps, do_sample=False, batch_size=len(prompts))
