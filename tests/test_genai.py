@@ -319,3 +319,32 @@ def test_genai_carries_the_previous_token_state_as_a_recurrent_state(previous_to
         expected = [expected[0], greedy(reference, np.array([prompts[1]]), 10)[0]]
     for row, alone in zip(genai_greedy_batch(out, prompts, 10), expected):
         assert row == alone[:len(row)] and row
+
+
+@pytest.mark.slow
+def test_smollm2_with_previous_token_maps_is_served_by_genai(tmp_path):
+    """SmolLM2 with maps that read the previous token in two layers: onnxruntime-genai's greedy tokens, for one prompt
+    and for a right-padded batch of prompts of different lengths, are a plain ONNX Runtime session's and PyTorch's
+    (float64, the same maps) for each prompt alone."""
+    from layerdrop.api.common import save_model
+    from layerdrop.passes.cleanup import run_passes
+    from layerdrop.search.fit import fit_attention
+    from layerdrop.windows import Sampling
+    from tests.genai_helpers import genai_greedy_batch
+    from tests.real_models import cached_export, float64_model
+    from tests.torch_reference import greedy, with_maps
+
+    source = cached_export("smollm2-135m")
+    folder, model = api.open_model(source)
+    calib = api.windows_for(source, None, role="calib", samples=8, seq_len=256)
+    fit = fit_attention(model, folder.path, calib, [20, 26], ridges=(1e-2,), previous=True)
+    run_passes(model, api.rewrite_passes([], {}, "fit", fits=fit.maps))
+    out = save_model(model, tmp_path / "fitted", folder, force=False)
+    reference = with_maps(float64_model("smollm2-135m"), fit.maps)
+    text = api.windows_for(source, None, role="eval", samples=3, seq_len=24, sampling=Sampling(from_start=True)).ids
+    prompts = [[int(t) for t in row[:size]] for row, size in zip(text, (20, 7, 13))]
+    expected = [greedy(reference, np.array([p]), 12)[0] for p in prompts]
+    session = make_session(out / "model.onnx")
+    assert [greedy_generate(session, np.array([p]), 12)[0] for p in prompts] == expected
+    assert genai_greedy(out, prompts[0], 12) == expected[0]
+    assert genai_greedy_batch(out, prompts, 12) == expected
