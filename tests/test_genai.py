@@ -348,3 +348,28 @@ def test_smollm2_with_previous_token_maps_is_served_by_genai(tmp_path):
     assert [greedy_generate(session, np.array([p]), 12)[0] for p in prompts] == expected
     assert genai_greedy(out, prompts[0], 12) == expected[0]
     assert genai_greedy_batch(out, prompts, 12) == expected
+
+
+def test_builder_graph_with_previous_token_maps_is_served_by_genai(built, torch_model, tmp_path, rng):
+    """The model builder's graph (GroupQueryAttention over a shared past/present buffer) with maps that read the
+    previous token: onnxruntime-genai's greedy tokens are PyTorch's with the same maps, and the state inputs sit
+    beside the kept layers' renumbered cache."""
+    from layerdrop.api.common import save_model
+    from layerdrop.passes.cleanup import run_passes
+    from layerdrop.search.fit import fit_attention
+    from layerdrop.windows import Windows
+    from tests.torch_reference import greedy, with_maps
+
+    folder, model = api.open_model(built)
+    fit = fit_attention(model, folder.path, Windows(rng.randint(0, VOCAB, size=(6, 32)), {}), [1, 3],
+                        ridges=(1e-2,), previous=True)
+    run_passes(model, api.rewrite_passes([], {}, "fit", fits=fit.maps))
+    out = save_model(model, tmp_path / "fitted", folder, force=False)
+    inputs = [i.name for i in onnx.load(str(out / "model.onnx"), load_external_data=False).graph.input]
+    assert sorted(n for n in inputs if n.startswith("past_key_values.")) == sorted(
+        [f"past_key_values.{i}.{part}" for i in (0, 1) for part in ("key", "value")]
+        + [f"past_key_values.{i}.{part}" for i in (1, 3) for part in ("conv_state", "recurrent_state")])
+    prompt = [int(t) for t in rng.randint(3, VOCAB, size=7)]
+    expected, _ = greedy(with_maps(torch_model, fit.maps), np.array([prompt]), 16)
+    theirs = genai_greedy(out, prompt, 16)
+    assert theirs == expected[:len(theirs)] and theirs
