@@ -61,32 +61,35 @@ def kv_name(prefix: str, index: int, part: str) -> str:
 
 
 # -- the one-token state of a map that reads the previous token (`plan --fit-previous`) ------------------------------
-STATE_NAME = re.compile(r"^(past|present)_fit\.(\d+)$")
+# onnxruntime-genai's RecurrentState carries it: per layer a rank-3 `conv_state` (here [batch, d, 1], the previous
+# token's normalized input) and a rank-4 `recurrent_state` it requires beside it (here [batch, 1, 1, 1], unused),
+# named after the cache templates, zeroed before the first token and fed back each step.
+STATE_NAME = re.compile(r"^(past_key_values|present)\.(\d+)\.(conv_state|recurrent_state)$")
+STATE_PARTS = ("conv_state", "recurrent_state")
 
 
-def state_name(prefix: str, layer: int) -> str:
-    """past_fit.{layer} (the previous token's normalized input, [batch, 1, d]) or present_fit.{layer}."""
-    return f"{prefix}_fit.{layer}"
+def state_name(prefix: str, layer: int, part: str = "conv_state") -> str:
+    """past_key_values.{layer}.{part} or present.{layer}.{part}: a previous-token state input or output."""
+    return f"{prefix}.{layer}.{part}"
 
 
 def state_layer(name: str | None) -> int | None:
-    """The layer of a state input or output (past_fit.{layer} / present_fit.{layer}), or None for any other name."""
+    """The layer of a state input or output (past_key_values.{layer}.conv_state / .recurrent_state, present.{...}),
+    or None for any other name."""
     match = STATE_NAME.match(name or "")
     return int(match.group(2)) if match else None
 
 
 def is_state_past(name: str | None) -> bool:
-    """A previous-token state input: past_fit.{layer}."""
-    return state_layer(name) is not None and name.startswith("past_")
+    """A previous-token state input: past_key_values.{layer}.conv_state or .recurrent_state."""
+    return state_layer(name) is not None and name.startswith("past_key_values.")
 
 
 def is_carried(name: str | None) -> bool:
     """An output the next step takes back as an input: a cache output, or a previous-token state."""
-    return is_present(name) or (state_layer(name) is not None and name.startswith("present_"))
+    return is_present(name) or (state_layer(name) is not None and name.startswith("present."))
 
 
 def past_for(present: str) -> str:
     """The input a carried output (cache or state) feeds at the next step."""
-    if present.startswith("present_fit."):
-        return "past_fit." + present.removeprefix("present_fit.")
     return "past_key_values." + present.removeprefix("present.")

@@ -8,6 +8,7 @@ import pytest
 
 from layerdrop import api
 from layerdrop.errors import LayerdropError
+from layerdrop.formats import is_past, is_state_past
 from layerdrop.model_folder import save
 from layerdrop.passes.cleanup import run_passes
 from layerdrop.search.fit import fit_attention, normal_equations, solo_fits, solve_ridge
@@ -52,15 +53,15 @@ def test_fitted_attention_equals_torch_with_independently_fitted_maps(exported, 
     ids = rng.randint(0, VOCAB, size=(1, 11))
     np.testing.assert_allclose(ort_logits(tmp_path / "fitted", ids), logits(reference, ids), atol=1e-4, rtol=0)
     inputs = [i.name for i in session(tmp_path / "fitted").get_inputs()]
-    states = [n for n in inputs if n.startswith("past_fit")]
+    states = [n for n in inputs if is_state_past(n)]
     if not cache:
         assert not states
         return
-    assert [n for n in inputs if n.startswith("past_key_values")] == [
-        f"past_key_values.{i}.{p}" for i in (0, 1) for p in ("key", "value")]
+    assert [n for n in inputs if is_past(n)] == [f"past_key_values.{i}.{p}" for i in (0, 1) for p in ("key", "value")]
     info = api.inspect(tmp_path / "fitted")
     assert info["kv_layers"] == [0, 2]
-    assert sorted(states) == [f"past_fit.{layer}" for layer in LAYERS if previous]
+    assert sorted(states) == [f"past_key_values.{layer}.{part}" for layer in LAYERS if previous
+                              for part in ("conv_state", "recurrent_state")]
     assert info["state_layers"] == (LAYERS if previous else [])
 
 

@@ -262,3 +262,114 @@ def test_pipeline_with_quantize_benches_int4_against_int4_and_the_builders_int4(
     assert reference.count("MatMulNBits") > 0 and reference.count("GroupQueryAttention") == 4
     assert report["reference_label"] == "builder int4" and report["bench"]["prefill"][0]["ideal"] > 1
     assert report["bench"]["model_bytes"]["pruned"] < report["bench"]["model_bytes"]["base"]
+
+
+@pytest.fixture(scope="module")
+def previous_token_fits(exported, tmp_path_factory):
+    """factory(family) -> (folder rewritten with maps that read the previous token in layers 1 and 3, written by
+    `save_model` with its genai_config.json; PyTorch's model with the same maps)."""
+    from layerdrop.api.common import save_model
+    from layerdrop.passes.cleanup import run_passes
+    from layerdrop.search.fit import fit_attention
+    from layerdrop.windows import Windows
+    from tests.torch_reference import tiny_model, with_maps
+
+    made = {}
+
+    def make(family: str):
+        if family not in made:
+            folder, model = api.open_model(exported(family, True))
+            windows = np.random.RandomState(7).randint(0, VOCAB, size=(4, 24))
+            fit = fit_attention(model, folder.path, Windows(windows, {}), [1, 3], ridges=(1e-2,), previous=True)
+            run_passes(model, api.rewrite_passes([], {}, "fit", fits=fit.maps))
+            out = save_model(model, tmp_path_factory.mktemp(f"previous-{family}") / "model", folder, force=False)
+            made[family] = out, with_maps(tiny_model(family), fit.maps)
+        return made[family]
+
+    return make
+
+
+def _prompts(folder: Path, rng) -> list[list[int]]:
+    """Three prompts of different lengths without the folder's pad and end tokens."""
+    config = json.loads((folder / "genai_config.json").read_text())["model"]
+    tokens = [t for t in range(VOCAB) if t not in (config.get("pad_token_id", 0), config.get("eos_token_id"))]
+    return [[int(t) for t in rng.choice(tokens, size=size)] for size in (9, 3, 6)]
+
+
+# not phi3: its tiny config's end token (32000) lies outside its vocabulary, which onnxruntime-genai refuses
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "llama", "mistral", "qwen2", "qwen3"])
+def test_genai_carries_the_previous_token_state_as_a_recurrent_state(previous_token_fits, family, rng):
+    """onnxruntime-genai finds each fitted layer's state among the graph's inputs (its RecurrentState) next to the
+    other layers' KV cache: its greedy tokens are a plain ONNX Runtime session's and PyTorch's with the same maps,
+    for one prompt and for a right-padded batch of prompts of different lengths (each row as if alone)."""
+    from tests.genai_helpers import genai_greedy_batch
+    from tests.torch_reference import greedy
+
+    out, reference = previous_token_fits(family)
+    config = json.loads((out / "genai_config.json").read_text())["model"]["decoder"]
+    assert config["num_hidden_layers"] == 2 and config["inputs"]["past_key_names"] == "past_key_values.%d.key"
+    prompts = _prompts(out, rng)
+    expected = [greedy(reference, np.array([p]), 10)[0] for p in prompts]
+    ours, _ = greedy_generate(make_session(out / "model.onnx"), np.array([prompts[0]]), 10)
+    assert ours == expected[0]
+    single = genai_greedy(out, prompts[0], 10)
+    assert single == expected[0][:len(single)] and single
+    if family == "gemma3":  # its 6-token window counts the right padding's holes in the cache, state or no state
+        prompts = [prompts[0], prompts[0][::-1]]
+        expected = [expected[0], greedy(reference, np.array([prompts[1]]), 10)[0]]
+    for row, alone in zip(genai_greedy_batch(out, prompts, 10), expected):
+        assert row == alone[:len(row)] and row
+
+
+@pytest.mark.slow
+def test_smollm2_with_previous_token_maps_is_served_by_genai(tmp_path):
+    """SmolLM2 with maps that read the previous token in two layers: onnxruntime-genai's greedy tokens, for one prompt
+    and for a right-padded batch of prompts of different lengths, are a plain ONNX Runtime session's and PyTorch's
+    (float64, the same maps) for each prompt alone."""
+    from layerdrop.api.common import save_model
+    from layerdrop.passes.cleanup import run_passes
+    from layerdrop.search.fit import fit_attention
+    from layerdrop.windows import Sampling
+    from tests.genai_helpers import genai_greedy_batch
+    from tests.real_models import cached_export, float64_model
+    from tests.torch_reference import greedy, with_maps
+
+    source = cached_export("smollm2-135m")
+    folder, model = api.open_model(source)
+    calib = api.windows_for(source, None, role="calib", samples=8, seq_len=256)
+    fit = fit_attention(model, folder.path, calib, [20, 26], ridges=(1e-2,), previous=True)
+    run_passes(model, api.rewrite_passes([], {}, "fit", fits=fit.maps))
+    out = save_model(model, tmp_path / "fitted", folder, force=False)
+    reference = with_maps(float64_model("smollm2-135m"), fit.maps)
+    text = api.windows_for(source, None, role="eval", samples=3, seq_len=24, sampling=Sampling(from_start=True)).ids
+    prompts = [[int(t) for t in row[:size]] for row, size in zip(text, (20, 7, 13))]
+    expected = [greedy(reference, np.array([p]), 12)[0] for p in prompts]
+    session = make_session(out / "model.onnx")
+    assert [greedy_generate(session, np.array([p]), 12)[0] for p in prompts] == expected
+    assert genai_greedy(out, prompts[0], 12) == expected[0]
+    assert genai_greedy_batch(out, prompts, 12) == expected
+
+
+def test_builder_graph_with_previous_token_maps_is_served_by_genai(built, torch_model, tmp_path, rng):
+    """The model builder's graph (GroupQueryAttention over a shared past/present buffer) with maps that read the
+    previous token: onnxruntime-genai's greedy tokens are PyTorch's with the same maps, and the state inputs sit
+    beside the kept layers' renumbered cache."""
+    from layerdrop.api.common import save_model
+    from layerdrop.passes.cleanup import run_passes
+    from layerdrop.search.fit import fit_attention
+    from layerdrop.windows import Windows
+    from tests.torch_reference import greedy, with_maps
+
+    folder, model = api.open_model(built)
+    fit = fit_attention(model, folder.path, Windows(rng.randint(0, VOCAB, size=(6, 32)), {}), [1, 3],
+                        ridges=(1e-2,), previous=True)
+    run_passes(model, api.rewrite_passes([], {}, "fit", fits=fit.maps))
+    out = save_model(model, tmp_path / "fitted", folder, force=False)
+    inputs = [i.name for i in onnx.load(str(out / "model.onnx"), load_external_data=False).graph.input]
+    assert sorted(n for n in inputs if n.startswith("past_key_values.")) == sorted(
+        [f"past_key_values.{i}.{part}" for i in (0, 1) for part in ("key", "value")]
+        + [f"past_key_values.{i}.{part}" for i in (1, 3) for part in ("conv_state", "recurrent_state")])
+    prompt = [int(t) for t in rng.randint(3, VOCAB, size=7)]
+    expected, _ = greedy(with_maps(torch_model, fit.maps), np.array([prompt]), 16)
+    theirs = genai_greedy(out, prompt, 16)
+    assert theirs == expected[:len(theirs)] and theirs

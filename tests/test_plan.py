@@ -157,9 +157,9 @@ def test_fit_moves_plan_fitted_layers_equal_to_torch(exported, tmp_path, rng, pr
     for layer in pick["fits"]:  # bottom-up, each with its own ridge, as the planner fitted them
         model, _ = fitted(model, windows, [layer], pick["ridges"][str(layer)], previous=previous)
     inputs = {i.name for i in session(tmp_path / "model").get_inputs()}
-    assert {n for n in inputs if n.startswith("past_fit.")} == ({f"past_fit.{k}" for k in pick["fits"]}
-                                                               if previous else set())
-    assert (tmp_path / "model" / "genai_config.json").exists() == (not previous)  # genai cannot carry the states
+    assert {n for n in inputs if n.endswith(".conv_state")} == (
+        {f"past_key_values.{k}.conv_state" for k in pick["fits"]} if previous else set())
+    assert (tmp_path / "model" / "genai_config.json").exists()  # onnxruntime-genai carries the states too
     assert result["fit_previous"] == previous
     assert ("fit = fitted map of the token and the previous one" in plan_table(result)) == previous
     ids = rng.randint(0, VOCAB, size=(1, 10))

@@ -4,7 +4,6 @@ list, JSON outputs."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +12,7 @@ import onnx_ir as ir
 
 from layerdrop import model_folder
 from layerdrop.errors import LayerdropError
-from layerdrop.formats import FUSION_NOTE_KEY, FUSIONS_KEY, is_state_past
+from layerdrop.formats import FUSION_NOTE_KEY, FUSIONS_KEY
 from layerdrop.passes.cleanup import cleanup_passes, run_passes
 from layerdrop.passes.find_residuals import FindResidualsPass
 from layerdrop.passes.metadata import calibration_record, kv_layer_map, read_json, updated_genai_config
@@ -37,26 +36,16 @@ def open_model(path: Path) -> tuple[model_folder.ModelFolder, ir.Model]:
     return folder, model
 
 
-def save_model(model: ir.Model, out_dir: Path, source: model_folder.ModelFolder, *, force: bool,
-               notes: list[str] | None = None) -> Path:
-    """Write a rewritten model as a folder beside its source's files; a genai_config.json follows the rewrite (and is
-    left out, with a note, where the graph carries previous-token states, which onnxruntime-genai cannot feed). The
-    note goes into `notes` where given, else to stderr."""
-    extra, leave_out = {}, frozenset()
+def save_model(model: ir.Model, out_dir: Path, source: model_folder.ModelFolder, *, force: bool) -> Path:
+    """Write a rewritten model as a folder beside its source's files; a genai_config.json follows the rewrite
+    (onnxruntime-genai carries the previous-token states of `--fit-previous` maps by their names alone)."""
+    extra = {}
     config = model_folder.genai_config(source.path)
-    if config and any(is_state_past(v.name) for v in model.graph.inputs):
-        note = ("genai_config.json left out: onnxruntime-genai cannot carry the previous-token states of maps fitted "
-                "with --fit-previous; plan without it for onnxruntime-genai")
-        if notes is None:
-            print(f"layerdrop: {note}", file=sys.stderr)
-        else:
-            notes.append(note)
-        config, leave_out = {}, frozenset({model_folder.GENAI_CONFIG})
     if config:
         source_graph = ir.serde.deserialize_model(onnx.load(source.onnx_path, load_external_data=False))
         extra[model_folder.GENAI_CONFIG] = json.dumps(
             updated_genai_config(config, kv_layer_map(source_graph), model), indent=4)
-    return model_folder.save(model, out_dir, source=source, force=force, extra_files=extra, leave_out=leave_out)
+    return model_folder.save(model, out_dir, source=source, force=force, extra_files=extra)
 
 
 def windows_for(folder: Path, text: Path | None, *, role: str, samples: int | None, seq_len: int,

@@ -35,7 +35,7 @@ def inspect(model_path: Path) -> dict:
         "blocks": sorted(blocks, key=lambda r: r["layer"]),
         "kv_bytes_per_token": kv_bytes_per_token(model),
         "kv_layers": kv_layer_map(model),
-        "state_layers": sorted(state_layer(v.name) for v in model.graph.inputs if is_state_past(v.name)),
+        "state_layers": sorted({state_layer(v.name) for v in model.graph.inputs if is_state_past(v.name)}),
         "removed": removed_modules(model),
         "calibration": calibration_record(model),
     }

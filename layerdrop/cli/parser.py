@@ -250,8 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
                    " 64 take about 2 minutes for SmolLM2 on 2 cores)")
     p.add_argument("--fit-previous", action="store_true",
                    help="fitted attention maps also read the previous token's normalized input: better on kinds of "
-                   "text the calibration lacks; the layer's KV cache becomes a one-token state that layerdrop's "
-                   "runtime carries (past_fit.N / present_fit.N) and onnxruntime-genai cannot")
+                   "text the calibration lacks; the layer's KV cache becomes a one-token state "
+                   "(past_key_values.N.conv_state) that layerdrop's runtime and onnxruntime-genai (greedy and "
+                   "sampling, not beam search) carry")
     _quantize_option(p)
     p.add_argument("--json", type=Path)
     _sampling_options(p)

@@ -5,11 +5,14 @@ one MatMul + Add from the branch's normalized input. W and b come from a least-s
 states (`search.fit`); this pass only writes them. The layer's KV cache goes with `PruneKvCachePass`.
 
 A map with `previous` set (`plan --fit-previous`; twice the hidden size in rows) also reads the previous token's
-normalized input:
-[Norm(X)_t, Norm(X)_{t-1}] W + b, with Norm(X)_{-1} = 0 and a padded position's state taken as 0 (the mask). In a
-graph with a KV cache the previous token's state is carried from step to step as one input and one output per layer,
-`past_fit.{layer}` / `present_fit.{layer}` [batch, 1, d] (zeros before the first token), in place of the layer's
-cache; without a cache it is the sequence shifted by one.
+normalized input: [Norm(X)_t, Norm(X)_{t-1}] W + b, with Norm(X)_{-1} = 0 and a padded position's state taken as 0
+(the mask). In a graph with a KV cache the previous token's state is carried from step to step in the form
+onnxruntime-genai's RecurrentState carries (layerdrop.formats): `past_key_values.{layer}.conv_state` [batch, d, 1]
+in and `present.{layer}.conv_state` out, with the `recurrent_state` [batch, 1, 1, 1] it requires beside it, in place
+of the layer's cache. The next state is the last real (unmasked) position's, or the carried one where a step has
+none, so a batch padded on either side carries each row's own last token; it is computed from the concatenation that
+reads the past state, because onnxruntime-genai may hand past and present the same buffer. Without a cache the
+previous state is the sequence shifted by one.
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ import onnx_ir as ir
 
 from layerdrop.errors import LayerdropError
 from layerdrop.formats import REGION_KEY, is_past, state_name
+from layerdrop.passes._ir_utils import add_initializer as initializer
 from layerdrop.passes.find_residuals import ResidualRegion, attention_regions
-from layerdrop.passes.harp_bypass import initializer
 from layerdrop.passes.metadata import record_removals, removal_record
 
 
@@ -101,39 +104,81 @@ def fit_branch(graph: ir.Graph, region: ResidualRegion, fitted: FittedMap, keep:
 
 def previous_states(graph: ir.Graph, normalized: ir.Value, layer: int, width: int, dtype) -> list[ir.Node]:
     """Nodes whose last output is each position's previous normalized input [batch, seq, d] (module docstring): the
-    states times the mask over the new tokens, shifted by one behind the carried state (a `past_fit.{layer}` input
-    and a `present_fit.{layer}` output, in a graph with a KV cache) or behind zeros."""
+    states times the mask over the new tokens, shifted by one behind the carried state (in a graph with a KV cache)
+    or behind zeros."""
     prefix = f"layerdrop.fit.{layer}"
     element = ir.DataType.from_numpy(np.dtype(dtype))
     nodes: list[ir.Node] = []
     axis = initializer(graph, f"{prefix}.axis", np.array([1], np.int64))
-    masked = normalized
+    masked, weights = normalized, None
     mask = next((v for v in graph.inputs if v.name == "attention_mask"), None)
     carried = any(is_past(v.name) for v in graph.inputs)
-    end = initializer(graph, f"{prefix}.end", np.array([2 ** 62], np.int64)) if mask is not None or carried else None
     if mask is not None:  # the mask's last seq columns are the new tokens'
+        end = initializer(graph, f"{prefix}.end", np.array([2 ** 62], np.int64))
         nodes.append(ir.node("Shape", [normalized], attributes={"start": 1, "end": 2}))
         nodes.append(ir.node("Neg", [nodes[-1].outputs[0]]))
         nodes.append(ir.node("Slice", [mask, nodes[-1].outputs[0], end, axis]))
         nodes.append(ir.node("Cast", [nodes[-1].outputs[0]], attributes={"to": element}))
-        nodes.append(ir.node("Unsqueeze", [nodes[-1].outputs[0],
-                                           initializer(graph, f"{prefix}.feature_axis", np.array([2], np.int64))]))
+        weights = nodes[-1].outputs[0]
+        nodes.append(ir.node("Unsqueeze", [weights, initializer(graph, f"{prefix}.feature_axis",
+                                                                np.array([2], np.int64))]))
         nodes.append(ir.node("Mul", [normalized, nodes[-1].outputs[0]]))
         masked = nodes[-1].outputs[0]
     minus_one = initializer(graph, f"{prefix}.minus_one", np.array([-1], np.int64))
-    if carried:  # [state, X] and the last position as the next step's state
-        batch = next((v.shape[0] for v in graph.inputs if v.name == "input_ids" and v.shape is not None), "batch")
-        state = ir.Value(name=state_name("past", layer), shape=ir.Shape([batch, 1, width]),
-                         type=ir.TensorType(element))
-        graph.inputs.append(state)
-        joined = ir.node("Concat", [state, masked], attributes={"axis": 1})
-        present = ir.node("Slice", [masked, minus_one, end, axis])
-        present.outputs[0].name = state_name("present", layer)
-        graph.outputs.append(present.outputs[0])
-        nodes += [joined, present]
+    if carried:  # [state, X] and the last real position as the next step's state
+        state_nodes, joined = carried_state(graph, masked, weights, layer, width, element, axis, minus_one)
+        nodes += state_nodes
     else:  # [0, X]
-        joined = ir.node("Pad", [masked, initializer(graph, f"{prefix}.pads", np.array([0, 1, 0, 0, 0, 0], np.int64))])
-        nodes.append(joined)
-    nodes.append(ir.node("Slice", [joined.outputs[0], initializer(graph, f"{prefix}.start", np.array([0], np.int64)),
+        nodes.append(ir.node("Pad", [masked, initializer(graph, f"{prefix}.pads",
+                                                         np.array([0, 1, 0, 0, 0, 0], np.int64))]))
+        joined = nodes[-1].outputs[0]
+    nodes.append(ir.node("Slice", [joined, initializer(graph, f"{prefix}.start", np.array([0], np.int64)),
                                    minus_one, axis]))
     return nodes
+
+
+def carried_state(graph: ir.Graph, masked: ir.Value, weights: ir.Value | None, layer: int, width: int,
+                  element: ir.DataType, axis: ir.Value, minus_one: ir.Value) -> tuple[list[ir.Node], ir.Value]:
+    """The state inputs and outputs of `layer` (module docstring) and the nodes between: returns the nodes and
+    [state, masked] [batch, 1 + seq, d]. `weights` [batch, seq] is the new tokens' mask (None: all real); `axis`
+    and `minus_one` are the constants [1] and [-1]."""
+    prefix = f"layerdrop.fit.{layer}"
+    batch = next((v.shape[0] for v in graph.inputs if v.name == "input_ids" and v.shape is not None), "batch")
+    past, present = [], []
+    for part, shape in (("conv_state", [batch, width, 1]), ("recurrent_state", [batch, 1, 1, 1])):
+        past.append(ir.Value(name=state_name("past_key_values", layer, part), shape=ir.Shape(shape),
+                             type=ir.TensorType(element)))
+        graph.inputs.append(past[-1])
+    rows = initializer(graph, f"{prefix}.state_rows", np.array([0, 1, width], np.int64))
+    columns = initializer(graph, f"{prefix}.state_columns", np.array([0, width, 1], np.int64))
+    nodes = [ir.node("Reshape", [past[0], rows])]
+    nodes.append(ir.node("Concat", [nodes[-1].outputs[0], masked], attributes={"axis": 1}))
+    joined = nodes[-1].outputs[0]
+    if weights is None:  # every position real: the last one
+        nodes.append(ir.node("Slice", [joined, minus_one, initializer(graph, f"{prefix}.end",
+                                                                      np.array([2 ** 62], np.int64)), axis]))
+    else:  # weight 1 on the last position of [state, X] that is real, the state counting as real
+        nodes.append(ir.node("Shape", [weights], attributes={"start": 0, "end": 1}))
+        nodes.append(ir.node("Concat", [nodes[-1].outputs[0], axis], attributes={"axis": 0}))
+        nodes.append(ir.node("ConstantOfShape", [nodes[-1].outputs[0]],
+                             attributes={"value": ir.tensor(np.ones(1, element.numpy()))}))
+        nodes.append(ir.node("Concat", [nodes[-1].outputs[0], weights], attributes={"axis": 1}))
+        real = nodes[-1].outputs[0]
+        nodes.append(ir.node("CumSum", [real, initializer(graph, f"{prefix}.axis_scalar", np.array(1, np.int64))],
+                             attributes={"exclusive": 1, "reverse": 1}))
+        nodes.append(ir.node("Equal", [nodes[-1].outputs[0], initializer(graph, f"{prefix}.zero",
+                                                                          np.array(0, element.numpy()))]))
+        nodes.append(ir.node("Cast", [nodes[-1].outputs[0]], attributes={"to": element}))
+        nodes.append(ir.node("Mul", [real, nodes[-1].outputs[0]]))
+        nodes.append(ir.node("Unsqueeze", [nodes[-1].outputs[0], axis]))
+        nodes.append(ir.node("MatMul", [nodes[-1].outputs[0], joined]))
+    nodes.append(ir.node("Reshape", [nodes[-1].outputs[0], columns]))
+    present.append(nodes[-1].outputs[0])
+    nodes.append(ir.node("Shape", [past[1]]))
+    nodes.append(ir.node("ConstantOfShape", [nodes[-1].outputs[0]],
+                         attributes={"value": ir.tensor(np.zeros(1, element.numpy()))}))
+    present.append(nodes[-1].outputs[0])
+    for value, part in zip(present, ("conv_state", "recurrent_state")):
+        value.name = state_name("present", layer, part)
+        graph.outputs.append(value)
+    return nodes, joined

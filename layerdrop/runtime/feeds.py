@@ -73,10 +73,10 @@ def prefill_feed(
         elif info.name == "position_ids":
             feed[info.name] = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
         elif is_state_past(info.name):  # a map's previous-token state: none before the first token
-            width = info.shape[-1]
-            if not isinstance(width, int):
-                raise LayerdropError(f"state input {info.name} has no static width; rewrite the model again")
-            feed[info.name] = np.zeros((ids.shape[0], 1, width), dtype=numpy_type(info.type))
+            shape = info.shape[1:]
+            if not all(isinstance(size, int) for size in shape):
+                raise LayerdropError(f"state input {info.name} has no static shape; rewrite the model again")
+            feed[info.name] = np.zeros((ids.shape[0], *shape), dtype=numpy_type(info.type))
         elif not is_past(info.name):
             raise LayerdropError(f"the graph has an input layerdrop cannot fill: {info.name!r}")
     feed.update(empty_past(session, ids.shape[0]))

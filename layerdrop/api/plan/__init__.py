@@ -151,7 +151,7 @@ def plan(
     # the comparison is measured in float; the written model is quantized
     writes = [quantize_pass(quantize)] if quantize is not None else int4_write_back(model, keep_float)
     chosen = run_passes(chosen, writes) if writes else chosen
-    save_model(chosen, out_dir, folder, force=force, notes=result.notes)
+    save_model(chosen, out_dir, folder, force=force)
     return result
 
 
