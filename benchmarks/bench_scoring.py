@@ -21,7 +21,7 @@ import transformers
 
 from layerdrop.api import open_model, windows_for
 from layerdrop.runtime.feeds import prefill_feed
-from layerdrop.runtime.session import make_session
+from layerdrop.runtime.session import RunOptions, make_session
 from layerdrop.search.measure import compute_scores
 from tests.torch_reference import hook_scores
 
@@ -39,7 +39,7 @@ def main() -> None:
     windows = windows_for(args.model, Path("prose"), role="calib", samples=args.samples, seq_len=args.seq_len)
     folder, model = open_model(args.model)
     start = time.perf_counter()
-    scores = compute_scores(model, folder.path, windows, threads=args.threads, progress=False)
+    scores = compute_scores(model, folder.path, windows, options=RunOptions(threads=args.threads), progress=False)
     ort_scoring = time.perf_counter() - start
 
     start = time.perf_counter()  # both ORT timings include creating the session
