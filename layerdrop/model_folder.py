@@ -165,6 +165,9 @@ def reserve_output(out_dir: Path, *, inputs: list[Path | str], force: bool) -> N
     Raises:
         LayerdropError: the output would overwrite an input or existing files, or cannot be created.
     """
+    if Path(out_dir).is_symlink() and not Path(out_dir).exists():
+        raise LayerdropError(f"output {out_dir} is a link to {os.readlink(out_dir)}, which does not exist; remove the "
+                             "link or choose another -o")
     out = Path(out_dir).resolve()
     for item in inputs:
         item_path = Path(item).resolve()
@@ -174,6 +177,9 @@ def reserve_output(out_dir: Path, *, inputs: list[Path | str], force: bool) -> N
         raise LayerdropError(f"output {out_dir} exists and is not a folder; choose another -o")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise LayerdropError(f"output folder {out_dir} is not empty; pass --force to replace it")
+    above = next(parent for parent in out.parents if parent.exists())
+    if not above.is_dir():
+        raise LayerdropError(f"output {out_dir} would be inside {above}, which is a file; choose another -o")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -183,7 +189,10 @@ def reserve_output(out_dir: Path, *, inputs: list[Path | str], force: bool) -> N
 
 
 def publish_folder(staged: Path, out_dir: Path, *, force: bool) -> None:
-    """Move a complete staged folder to `out_dir` by rename, replacing an old one only when `force` is set."""
+    """Move a complete staged folder to `out_dir` by rename, replacing an old one only when `force` is set.
+
+    A link at `out_dir` is itself replaced; the folder it points to is left as it is.
+    """
     out_dir = Path(out_dir)
     if out_dir.exists():
         if any(out_dir.iterdir()) and not force:
@@ -191,7 +200,10 @@ def publish_folder(staged: Path, out_dir: Path, *, force: bool) -> None:
         old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
         os.replace(out_dir, old)
         os.replace(staged, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
+        if old.is_symlink():
+            old.unlink()
+        else:
+            shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(staged, out_dir)
 

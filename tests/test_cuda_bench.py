@@ -1,4 +1,4 @@
-"""Issue 18: the GPU benchmark script runs in its CPU form (short lengths, a tiny model), so it cannot rot while no
+"""The GPU benchmark script runs in its CPU form (short lengths, a tiny model), so it cannot rot while no
 GPU is lent; and its device-resident decode loop generates what PyTorch generates."""
 
 from __future__ import annotations

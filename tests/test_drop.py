@@ -1,4 +1,4 @@
-"""Issue 4: drops equal the PyTorch model with those modules replaced by identity; KV pruning; selection."""
+"""Drops equal the PyTorch model with those modules replaced by identity; KV pruning; selection."""
 
 from __future__ import annotations
 

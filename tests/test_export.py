@@ -1,4 +1,4 @@
-"""Issue 2: exported graphs of five families compute the PyTorch model's logits, with and without KV cache."""
+"""Exported graphs of five families compute the PyTorch model's logits, with and without KV cache."""
 
 from __future__ import annotations
 

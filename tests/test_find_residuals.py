@@ -1,4 +1,4 @@
-"""Issue 3: the residual-region finder, on hand-built graphs and on exported graphs of five families."""
+"""The residual-region finder, on hand-built graphs and on exported graphs of five families."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 5: HARP bypass equals an independent PyTorch V·O implementation; greedy alpha search."""
+"""HARP bypass equals an independent PyTorch V·O implementation; greedy alpha search."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 17, int4 in: graphs from onnxruntime-genai's builder with `-p int4` (MatMulNBits). Weights are read back
+"""Int4 in: graphs from onnxruntime-genai's builder with `-p int4` (MatMulNBits). Weights are read back
 exactly (checked against ONNX Runtime's own kernel), and score, drop and HARP equal a PyTorch model that holds
 those dequantized weights, with the same modules replaced."""
 

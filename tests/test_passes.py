@@ -36,7 +36,7 @@ W.update({f"m{i}": (1 + 0.2 * WEIGHTS.randn(D)).astype(np.float32) for i in rang
 W["lm"] = WEIGHTS.randn(D, 6).astype(np.float32)
 
 
-def _graph() -> ir.Model:
+def decoder_graph() -> ir.Model:
     """x [T, 4] and a KV cache per layer -> logits [T, 6] and the new cache."""
     nodes, inputs, outputs = [], [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", D])], []
     stream = "x"
@@ -113,13 +113,13 @@ def data(rng):
 
 
 def _annotated() -> ir.Model:
-    model = _graph()
+    model = decoder_graph()
     run_passes(model, [FindResidualsPass()])
     return model
 
 
 def test_find_residuals_annotates_once_and_then_reports_no_change():
-    model = _graph()
+    model = decoder_graph()
     first = FindResidualsPass()(model)
     annotated = [read_json(n.metadata_props, REGION_KEY, {}) for n in model.graph if REGION_KEY in n.metadata_props]
     assert first.modified and [(a["kind"], a["layer"], a["kv_inputs"]) for a in annotated] == [
@@ -131,7 +131,7 @@ def test_find_residuals_annotates_once_and_then_reports_no_change():
 def test_rewrite_passes_refuse_a_model_without_annotations():
     for rewrite in (DropBranchesPass([("attn", 0)]), HarpBypassPass({1: 0.5}), GatedBypassPass([1])):
         with pytest.raises(LayerdropError, match="run FindResidualsPass"):
-            run_passes(_graph(), [rewrite])
+            run_passes(decoder_graph(), [rewrite])
 
 
 def test_drop_branches_rewires_and_cleanup_removes_the_branch(data):

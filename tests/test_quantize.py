@@ -1,4 +1,4 @@
-"""Issue 17, int4 out: ONNX Runtime's MatMulNBits quantizer after the rewrite (remove first, then quantize)."""
+"""Int4 out: ONNX Runtime's MatMulNBits quantizer after the rewrite (remove first, then quantize)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 6: eval equals PyTorch perplexity; bench reports every field from real runs; check; pipeline."""
+"""Eval equals PyTorch perplexity; bench reports every field from real runs; check; pipeline."""
 
 from __future__ import annotations
 

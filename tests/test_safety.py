@@ -1,4 +1,4 @@
-"""Issue 8: bad input gets one clear line and exit 2; inputs stay untouched; no partial output; interrupts exit
+"""Bad input gets one clear line and exit 2; inputs stay untouched; no partial output; interrupts exit
 130; identical inputs give identical outputs; randomly mutated graphs never crash a command."""
 
 from __future__ import annotations
@@ -221,6 +221,32 @@ def test_refused_overwrites_and_untouched_input(capsys, exported, tmp_path):
     assert main(["drop", str(src), "-o", str(tmp_path / "busy"), "--drop", "attn:1", "--force"]) == 0
     assert not (tmp_path / "busy" / "keep.txt").exists()
     assert _digest(src) == before
+
+
+def test_force_onto_a_link_replaces_the_link_and_leaves_the_folder_it_pointed_to(capsys, exported, tmp_path):
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine")
+    link = tmp_path / "out"
+    link.symlink_to(target)
+    assert main(["drop", str(exported("llama", True)), "-o", str(link), "--drop", "attn:1", "--force"]) == 0
+    assert not link.is_symlink() and (link / "model.onnx").is_file()
+    assert sorted(p.name for p in target.iterdir()) == ["keep.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "target"]
+
+
+@pytest.mark.parametrize("kind", ["dangling link", "dangling link, --force", "under a file", "deep under a file"])
+def test_an_output_path_that_cannot_become_a_folder_is_refused(capsys, exported, tmp_path, kind):
+    if kind.startswith("dangling"):
+        out = tmp_path / "out"
+        out.symlink_to(tmp_path / "gone")
+    else:
+        (tmp_path / "file.txt").write_text("mine")
+        out = tmp_path / "file.txt" / "o" / ("deeper" if kind.startswith("deep") else "")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    force = ["--force"] if kind.endswith("--force") else []
+    _fails_cleanly(capsys, ["drop", str(exported("llama", True)), "-o", str(out), "--drop", "attn:1", *force], "-o")
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
 def test_unwritable_output_folder(capsys, exported, tmp_path):

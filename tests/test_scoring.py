@@ -1,4 +1,4 @@
-"""Issue 3: calibration scores from ONNX Runtime equal PyTorch forward hooks; score/inspect commands."""
+"""Calibration scores from ONNX Runtime equal PyTorch forward hooks; score/inspect commands."""
 
 from __future__ import annotations
 

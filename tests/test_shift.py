@@ -1,4 +1,4 @@
-"""Issue 9, the planner's mean shift: its means from ONNX Runtime equal PyTorch hooks; mean-shifted bypasses equal
+"""The planner's mean shift: its means from ONNX Runtime equal PyTorch hooks; mean-shifted bypasses equal
 a PyTorch reference (prefill and decode); the region finder still sees every layer after a branch became its mean."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issues 19 and 14: texts of any size and format become windows that follow the model's tokenizer.
+"""Texts of any size and format become windows that follow the model's tokenizer.
 
 References are independent of the code under test: one tokenizer call on the whole text, the text decoded from the
 byte offsets the windows record, transformers' own tokenizer for the BOS convention.
@@ -67,7 +67,7 @@ def test_streamed_tokens_equal_one_call_on_the_whole_text(kind, chunk, tiny_toke
 
 
 def test_from_start_windows_are_the_first_windows_of_the_whole_text(monkeypatch, tiny_tokenizer_file, tmp_path):
-    monkeypatch.setattr(windows, "CHUNK_CHARS", 500)  # many chunk boundaries inside the windows
+    monkeypatch.setattr(windows.tokenizer, "CHUNK_CHARS", 500)  # many chunk boundaries inside the windows
     folder = _folder_with(tmp_path, tiny_tokenizer_file)
     got = draw_windows(folder, None, role="calib", samples=6, seq_len=100, sampling=Sampling(from_start=True))
     ids = Tokenizer.from_file(str(tiny_tokenizer_file)).encode(TEXT, add_special_tokens=False).ids
@@ -167,10 +167,82 @@ def test_jsonl_records_and_folders_are_read_like_the_text_they_hold(tiny_tokeniz
                                                               for t in texts)
 
 
+def _long_record_text(characters: int) -> str:
+    """Prose with quotes, backslashes, tabs, accents and characters beyond the BMP, so every kind of escape occurs."""
+    extra = ' "quoted" back\\slash\ttab café 𝄞 naïve ☃\n'
+    text = "".join(TEXT[i:i + 3000] + extra for i in range(0, len(TEXT) - 3000, 3000))
+    return (text * (characters // len(text) + 1))[:characters]
+
+
+@pytest.mark.parametrize("ascii_only", [True, False])
+def test_a_record_of_several_megabytes_gives_the_windows_of_its_text(tiny_tokenizer_file, tmp_path, ascii_only):
+    """Windows are drawn inside a long record as inside a plain text: each one is the tokenizer on the record's
+    decoded text from the offset it records (that character as written in the file), and they come from across it."""
+    folder = _folder_with(tmp_path, tiny_tokenizer_file)
+    long = _long_record_text(3_000_000)
+    records = [{"id": 0, "meta": {"tags": ["a", "b}"], "n": -1.5e3}, "text": long}, {"text": "a short record\n"}]
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=ascii_only) + "\n" for r in records), encoding="utf-8")
+    raw = path.read_bytes()
+    assert len(raw) > 3 * windows.LINE_CAP * 10
+    tokenizer = Tokenizer.from_file(str(tiny_tokenizer_file))
+    start = draw_windows(folder, path, role="calib", samples=5, seq_len=64, sampling=Sampling(from_start=True))
+    np.testing.assert_array_equal(start.ids.reshape(-1), tokenizer.encode(long[:20000]).ids[:5 * 64])
+    spread = draw_windows(folder, path, role="calib", samples=24, seq_len=64)
+    body_end = raw.index(b"\n") - 2  # the long record's text is its last field: its string ends before `"}`
+    for row, offset in zip(spread.ids, spread.source["starts"]):
+        rest = json.loads(b'"' + raw[offset:body_end] + b'"')  # the record's text from the recorded offset
+        assert tokenizer.encode(rest[:1000], add_special_tokens=False).ids[:64] == row.tolist()
+    assert spread.source["starts"][-1] > 0.7 * len(raw) and spread.source["starts"][0] < 0.2 * len(raw)
+
+
+_PEAK_MEMORY = """
+import resource, sys
+from pathlib import Path
+from layerdrop.windows import Sampling, draw_windows
+folder, path = Path(sys.argv[1]), Path(sys.argv[2])
+draw_windows(folder, path, role="calib", samples=16, seq_len=64)
+draw_windows(folder, path, role="calib", samples=4, seq_len=64, sampling=Sampling(from_start=True))
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+def _peak_memory(folder: Path, path: Path) -> int:
+    """Peak resident bytes of a fresh process that draws spread and from-start windows from `path`."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _PEAK_MEMORY, str(folder), str(path)], capture_output=True,
+                          text=True, timeout=1800, check=True)
+    return int(done.stdout.split()[-1])
+
+
+@pytest.mark.slow
+def test_a_gigabyte_of_a_few_huge_records_costs_no_more_memory_than_a_small_file(tiny_tokenizer_file, tmp_path):
+    """Four records of 256 MB each: at most 200 MB more peak memory than a file of a few short records."""
+    folder = _folder_with(tmp_path, tiny_tokenizer_file)
+    small = tmp_path / "small.jsonl"
+    small.write_text("".join(json.dumps({"text": TEXT[i:i + 50000]}) + "\n" for i in range(0, 200000, 50000)))
+    piece = json.dumps(TEXT)[1:-1].encode()
+    big = tmp_path / "big.jsonl"
+    with open(big, "wb") as handle:
+        for record in range(4):
+            handle.write(b'{"id": %d, "text": "' % record)
+            for _ in range(256 * 2**20 // len(piece)):
+                handle.write(piece)
+            handle.write(b'"}\n')
+    assert big.stat().st_size > 2**30 * 0.95
+    assert _peak_memory(folder, big) - _peak_memory(folder, small) < 200 * 2**20
+
+
 @pytest.mark.parametrize("content, expected", [
     ('{"text": "a fine line"}\n{"text": 3}\n', r"corpus\.jsonl:2: no text field 'text'"),
     ('{"text": "a fine line"}\n{"text": "ok"}\n{broken\n', r"corpus\.jsonl:3: not a JSON object"),
     ('[{"text": "an array"}]\n', r"corpus\.jsonl:1: not JSON Lines"),
+    ('{"text": "ok"}\n{"text": "' + "long " * 100_000 + '\n{"text": "ok"}\n', r"corpus\.jsonl:2: not a JSON object"),
+    ('{"text": "ok"}\n\n{"text": "' + "long " * 100_000 + '\\x"}\n', r"corpus\.jsonl:3: not a JSON object"),
+    ('{"text": "ok"}\n{"id": [1, {"text": 2}], "text": 7, "n": "' + "x" * 300_000 + '"}\n',
+     r"corpus\.jsonl:2: no text field 'text'"),
 ])
 def test_bad_json_lines_name_the_file_and_line(tiny_tokenizer_file, tmp_path, content, expected):
     folder = _folder_with(tmp_path, tiny_tokenizer_file)

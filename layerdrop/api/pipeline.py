@@ -25,7 +25,7 @@ from layerdrop.api.drop import drop
 from layerdrop.api.evaluate import evaluate
 from layerdrop.api.harp import harp
 from layerdrop.api.inspect import inspect
-from layerdrop.api.reports import side_by_side
+from layerdrop.api.reports import pipeline_summary, removed_by_kind, reproduce_command, run_snippet
 from layerdrop.api.score import score
 from layerdrop.errors import LayerdropError
 from layerdrop.model_folder import write_atomically
@@ -88,7 +88,9 @@ def pipeline(
     builder: bool = True,
     quantize: str | None = None,
 ) -> dict:
-    """Run the whole pipeline; returns the side-by-side report (also written to OUTDIR/report.json and .md).
+    """Run the whole pipeline; returns the report (also written to OUTDIR/report.json, and as `pipeline_summary`
+    to OUTDIR/report.md): the side-by-side figures, the layers removed (read back from the output model), the texts
+    the figures come from, a snippet that runs the output, and the command that reproduces the run.
 
     With no selection, drops about a quarter of the attention layers by score. With `fuse` (the default) the
     rewritten model is written fused for ONNX Runtime, and the bench's base is the export fused the same way
@@ -127,7 +129,8 @@ def pipeline(
         exported, scored, calib=calib, samples=samples, seq_len=seq_len, sampling=sampling, provider=provider,
         threads=threads, force=True, progress=progress))
 
-    layers = int(inspect(scored)["regions"][-1]["layer"]) + 1
+    scored_info = inspect(scored)
+    layers, scored_calibration = int(scored_info["regions"][-1]["layer"]) + 1, scored_info["calibration"]
     if harp_top is not None:
         method = f"harp-{harp_top}"
         key = _fingerprint("harp", _stamp_of(scored), harp_top, _file_digest(calib), sampling, fuse, quantized)
@@ -160,13 +163,30 @@ def pipeline(
 
     speed = bench(bench_base, pruned, seqs=bench_seq, runs=bench_runs, provider=provider, threads=threads,
                   reference=reference)
+    removed = inspect(pruned)["removed"]  # read back from the output, so the report says what the file holds
+    runtime, snippet = run_snippet(pruned)
+    command = reproduce_command("pipeline", [model], {
+        "-o": out_dir, "--calib": calib, "--eval": eval_text, "--attn": attn, "--joint": joint, "--harp": harp_top,
+        "--samples": _unless(samples, DEFAULT_SAMPLES), "--seq-len": _unless(seq_len, DEFAULT_SEQ_LEN),
+        "--eval-samples": _unless(eval_samples, 32), "--seq": _unless(tuple(bench_seq), (256, 1024)),
+        "--runs": _unless(bench_runs, 5), "--seed": _unless(sampling.seed, 0), "--from-start": sampling.from_start,
+        "--text-field": _unless(sampling.text_field, "text"), "--batch-size": _unless(batch_size, 1),
+        "--provider": _unless(provider, "cpu"), "--threads": threads, "--no-fuse": not fuse,
+        "--no-builder": not builder, "--quantize": quantize})
     report = {"method": method, "base": str(exported), "bench_base": str(bench_base), "fused": fuse,
               "pruned": str(pruned), "reference": str(reference) if reference else None,
-              "reference_label": f"builder {precision}", "quality": quality, "bench": speed}
+              "reference_label": f"builder {precision}", "quality": quality, "bench": speed,
+              "removed": removed, "removed_by_kind": removed_by_kind(removed),
+              "texts": {"calibration": scored_calibration, "eval": quality[0]["text"]},
+              "run": {"runtime": runtime, "folder": str(pruned), "python": snippet}, "reproduce": command}
     write_json(report, out_dir / "report.json")
-    write_atomically(out_dir / "report.md",
-                     side_by_side(speed, method, quality, reference=report["reference_label"]) + "\n")
+    write_atomically(out_dir / "report.md", pipeline_summary(report) + "\n")
     return report
+
+
+def _unless(value, default):
+    """`value`, or None where it is the command's default (so the reproduce command names only what was chosen)."""
+    return None if value == default else value
 
 
 def _written_like_the_output(exported: Path, folder: Path, fuse: bool, quantize: str | None) -> None:

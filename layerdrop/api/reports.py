@@ -1,6 +1,117 @@
-"""Markdown tables that commands print and write (the pipeline's report.md, the planner's comparison)."""
+"""What commands print and write about a result: the tables (the pipeline's and the bench's side by side, the
+planner's comparison), and the pieces a user acts on: which layers went, which texts the figures come from, how to
+run the output, and the command that reproduces it."""
 
 from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+_KIND_NAMES = {"attn": "attention", "mlp": "MLP", "block": "block"}
+_HOW_NAMES = {"drop": "dropped", "harp": "bypassed (HARP)", "fit": "replaced by a fitted map",
+              "replaced": "replaced by a fitted run"}
+
+
+def removed_by_kind(removed: list[dict]) -> dict[str, list[int]]:
+    """{kind: sorted layers} of a model's removal records (`passes.metadata.removed_modules`), kinds in the order
+    attn, mlp, then any other."""
+    layers: dict[str, set[int]] = {}
+    for entry in removed:
+        layers.setdefault(entry["kind"], set()).add(int(entry["layer"]))
+    order = [k for k in _KIND_NAMES if k in layers] + sorted(k for k in layers if k not in _KIND_NAMES)
+    return {kind: sorted(layers[kind]) for kind in order}
+
+
+def removed_lines(removed: list[dict]) -> list[str]:
+    """One line per kind and way of removal: 'attention layers 3, 7, 12: dropped'; a HARP bypass names its alphas."""
+    if not removed:
+        return ["nothing removed"]
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for entry in removed:
+        groups.setdefault((entry["kind"], entry.get("how", "drop")), []).append(entry)
+    lines = []
+    for kind in removed_by_kind(removed):
+        for (group_kind, how), entries in groups.items():
+            if group_kind != kind:
+                continue
+            entries = sorted(entries, key=lambda e: int(e["layer"]))
+            if how == "harp":
+                layers = ", ".join(f"{e['layer']} (alpha {e['alpha']:g}{', mean shift' if e.get('shift') else ''})"
+                                   for e in entries)
+            else:
+                layers = ", ".join(str(e["layer"]) for e in entries)
+            noun = _KIND_NAMES.get(kind, kind) + (" layer" if len(entries) == 1 else " layers")
+            lines.append(f"{noun} {layers}: {_HOW_NAMES.get(how, how)}")
+    return lines
+
+
+def text_labels(sources: list[dict]) -> list[str]:
+    """A label per text (window source: "file", "sha256") for table headers: the file name, followed by the first
+    characters of its SHA-256 where different texts share a name, so each column names its text unambiguously."""
+    digests: dict[str, set[str]] = {}
+    for source in sources:
+        digests.setdefault(source.get("file") or "text", set()).add(source.get("sha256") or "")
+    return [name if len(digests[name]) == 1 else f"{name} #{(source.get('sha256') or '')[:8]}"
+            for source in sources for name in [source.get("file") or "text"]]
+
+
+def describe_text(role: str, source: dict) -> str:
+    """'held-out: eval.txt (SHA-256 3f2a1c9b0d4e, 32 windows of 256 tokens, spread, seed 0)'."""
+    layout = source.get("layout", "spread")
+    if layout == "spread" and "seed" in source:
+        layout += f", seed {source['seed']}"
+    field = f", JSON field {source['text_field']}" if source.get("text_field") else ""
+    return (f"{role}: {source.get('file') or 'text'} (SHA-256 {(source.get('sha256') or '?')[:12]}, "
+            f"{source.get('samples', '?')} windows of {source.get('seq_len', '?')} tokens, {layout}{field})")
+
+
+def describe_items(count: int, source: dict) -> str:
+    """'accuracy: 200 multiple-choice items built from eval.txt (SHA-256 3f2a1c9b0d4e)', for task items a report's
+    accuracy figures come from."""
+    return (f"accuracy: {count} multiple-choice items built from {source.get('file') or 'text'} "
+            f"(SHA-256 {(source.get('sha256') or '?')[:12]})")
+
+
+def run_snippet(folder: Path) -> tuple[str, str]:
+    """(runtime, Python) that loads the model folder and generates from it: onnxruntime-genai where the folder has
+    what it reads (genai_config.json, and tokenizer.json with tokenizer_config.json), else an ONNX Runtime session
+    (`layerdrop eval MODEL --prompt TEXT` generates from one)."""
+    path = str(folder)
+    needs = ("genai_config.json", "tokenizer.json", "tokenizer_config.json")
+    if all((Path(folder) / name).is_file() for name in needs):
+        return "onnxruntime-genai", "\n".join([
+            "import onnxruntime_genai as og",
+            f"model = og.Model({path!r}); tokenizer = og.Tokenizer(model); params = og.GeneratorParams(model)",
+            "params.set_search_options(max_length=64); generator = og.Generator(model, params)",
+            'generator.append_tokens(tokenizer.encode("The capital of France is"))',
+            "while not generator.is_done(): generator.generate_next_token()",
+            "print(tokenizer.decode(generator.get_sequence(0)))",
+        ])
+    return "onnxruntime", "\n".join([
+        "import onnxruntime as ort",
+        f"session = ort.InferenceSession({str(Path(path) / 'model.onnx')!r})",
+        "print([i.name for i in session.get_inputs()])  # input_ids, attention_mask, position_ids, past_key_values.*",
+    ])
+
+
+def reproduce_command(command: str, positional: list, options: dict) -> str:
+    """The shell command `layerdrop COMMAND POSITIONAL... OPTIONS...`, quoted for a POSIX shell. `options` maps a
+    flag to its value: None or False leaves it out, True writes the flag alone, a list or tuple repeats the flag
+    (comma-joined numbers for a tuple of ints), anything else is written as a string."""
+    words = ["layerdrop", command] + [str(p) for p in positional if p is not None]
+    for flag, value in options.items():
+        if value is None or value is False:
+            continue
+        if value is True:
+            words.append(flag)
+        elif isinstance(value, tuple) and all(isinstance(v, int) for v in value):
+            words += [flag, ",".join(str(v) for v in value)]
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                words += [flag, str(item)]
+        else:
+            words += [flag, str(value)]
+    return shlex.join(words)
 
 
 def side_by_side(bench: dict, method: str, quality: list[dict] | None = None, reference: str = "reference") -> str:
@@ -57,15 +168,16 @@ def plan_table(result: dict) -> str:
     layers that keep a KV cache, the measured prefill speedup (where measured), search and held-out perplexity,
     the other held-out texts' perplexity and the task accuracy (retained % of the baseline, and its difference
     from the baseline's with the standard error of that difference over the same items) where measured."""
-    others = [text["file"] for text in result.get("also_eval_texts", [])]
+    also = result.get("also_eval_texts", [])
+    others = [text["file"] for text in also]
     accuracy = bool(result.get("accuracy_items"))
     speed = result.get("speedup_tokens")
-    searched = result.get("search_text") or {}
-    search = f"search ppl ({searched['file']})" if searched.get("file") else "search ppl"
-    held = result.get("eval_text") or {}
-    held_out = f"held-out ppl ({held['file']})" if held.get("file") else "held-out ppl"
+    searched, held = result.get("search_text") or {}, result.get("eval_text") or {}
+    search_label, held_label, *other_labels = text_labels([searched, held, *also])
+    search = f"search ppl ({search_label})" if searched.get("file") else "search ppl"
+    held_out = f"held-out ppl ({held_label})" if held.get("file") else "held-out ppl"
     head = (["KV kept"] + ([f"prefill speedup at {speed} tokens"] if speed else []) + [search, held_out]
-            + [f"held-out ppl ({name})" for name in others]
+            + [f"held-out ppl ({label})" for label in other_labels]
             + ([f"accuracy, {result['accuracy_items']} items (retained)",
                 "accuracy against the baseline, points (± paired SE)"] if accuracy else []))
     fit = "fitted map of the token and the previous one" if result.get("fit_previous") else "fitted map"
@@ -104,3 +216,22 @@ def _moves_cell(row: dict) -> str:
     elif blocks:
         parts.append("blocks " + ",".join(str(b) for b in blocks))
     return "; ".join(parts) or "-"
+
+
+def pipeline_summary(report: dict) -> str:
+    """The pipeline's report as Markdown (its report.md, and what the command prints): the side-by-side table, the
+    layers removed, the texts the figures come from, how to run the output, and the command that reproduces it."""
+    texts = report["texts"]
+    lines = [side_by_side(report["bench"], report["method"], report["quality"], reference=report["reference_label"]),
+             "", f"Removed from {report['pruned']} (read from its metadata):"]
+    lines += [f"- {line}" for line in removed_lines(report["removed"])]
+    lines += ["", "Texts:"]
+    if texts.get("calibration"):
+        lines.append("- " + describe_text("scores" + (" and HARP's search" if report["method"].startswith("harp")
+                                                      else ""), texts["calibration"]))
+    lines.append("- " + describe_text("perplexity (held-out)", texts["eval"]))
+    lines.append("- timings: random token ids (prefill lengths in the table)")
+    run = report["run"]
+    lines += ["", f"Run it with {run['runtime']}:", "", "```python", run["python"], "```", "",
+              "Reproduce:", "", "```sh", report["reproduce"], "```"]
+    return "\n".join(lines)

@@ -169,7 +169,7 @@ def cmd_check(args) -> int:
 
 
 def cmd_pipeline(args) -> int:
-    from layerdrop.api.reports import side_by_side
+    from layerdrop.api.reports import pipeline_summary
 
     report = api.pipeline(args.model, args.output, calib=args.calib, eval_text=args.eval, attn=args.attn,
                           joint=args.joint, harp_top=args.harp, samples=args.samples, seq_len=args.seq_len,
@@ -177,8 +177,8 @@ def cmd_pipeline(args) -> int:
                           sampling=sampling(args), batch_size=args.batch_size, resume=args.resume,
                           force=args.force, progress=_progress(args), fuse=args.fuse, builder=args.builder,
                           quantize=args.quantize, **_runtime(args))
-    print(side_by_side(report["bench"], report["method"], report["quality"], reference=report["reference_label"]))
-    print(f"all stages and report.json are in {args.output}")
+    print(pipeline_summary(report))
+    print(f"\nall stages, report.md and report.json are in {args.output}")
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -79,11 +80,33 @@ def _load_gguf(path: Path) -> torch.nn.Module:
             path.parent, gguf_file=path.name, dtype=torch.float32, local_files_only=True
         )
     except Exception as exc:  # noqa: BLE001 - the gguf reader raises many types for a damaged file
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         architecture = _gguf_architecture(path)
         what = f" (a {architecture} model, which transformers cannot load as a decoder LLM)" if architecture else ""
-        raise LayerdropError(f"cannot load GGUF file {path}{what}: {first_line[:200]}") from None
+        raise LayerdropError(f"cannot load GGUF file {path}{what}: {_first_line(exc)}") from None
+    gguf_tokenizer(path)  # a damaged tokenizer is refused before the minutes of tracing, not after
     return model.eval()
+
+
+def gguf_tokenizer(path: Path) -> transformers.PreTrainedTokenizerBase:
+    """The tokenizer transformers builds from a GGUF file's metadata (built once per file).
+
+    Raises:
+        LayerdropError: the file's tokenizer metadata is missing or damaged.
+    """
+    stat = path.stat()
+    return _gguf_tokenizer(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1)
+def _gguf_tokenizer(path: str, size: int, modified: int) -> transformers.PreTrainedTokenizerBase:
+    try:
+        return transformers.AutoTokenizer.from_pretrained(Path(path).parent, gguf_file=Path(path).name)
+    except Exception as exc:  # noqa: BLE001 - the tokenizer converters raise many types for damaged metadata
+        raise LayerdropError(f"cannot load the tokenizer of GGUF file {path}: {_first_line(exc)}") from None
+
+
+def _first_line(exc: Exception) -> str:
+    return (str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)[:200]
 
 
 def _gguf_architecture(path: Path) -> str | None:
@@ -112,7 +135,7 @@ def gguf_to_folder(gguf_path: Path, folder: Path) -> Path:
     config = transformers.AutoConfig.for_model(**config_dict)
     plain = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(gguf_model.state_dict())
-    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    tokenizer = gguf_tokenizer(gguf_path)
 
     folder.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder.parent, prefix=f".{folder.name}.") as tmp:

@@ -15,7 +15,7 @@ import transformers
 from transformers.cache_utils import DynamicCache
 
 from layerdrop.errors import LayerdropError
-from layerdrop.export.loading import TOKENIZER_FILES, load_model
+from layerdrop.export.loading import TOKENIZER_FILES, gguf_tokenizer, load_model
 from layerdrop.model_folder import MODEL_NAME, publish_folder, reserve_output
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -225,5 +225,4 @@ def genai_config(config: transformers.PretrainedConfig) -> dict:
 
 
 def _save_gguf_tokenizer(gguf_path: Path, folder: Path) -> None:
-    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    tokenizer.save_pretrained(folder)
+    gguf_tokenizer(gguf_path).save_pretrained(folder)

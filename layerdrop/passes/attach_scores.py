@@ -32,14 +32,18 @@ class AttachScoresPass(ir.passes.InPlacePass):
         regions = annotated_regions(model)
         by_key = {(r.kind, r.layer): r for r in regions}
         last_of_layer = {r.layer: r for r in regions}
+        writes = [(model.metadata_props, CALIBRATION_KEY, self.calibration)]
         for score in self.scores:
             entry = {"score": score.score, "norm_ratio": score.norm_ratio}
             if score.kind == "block":
-                write_json(last_of_layer[score.layer].add.metadata_props, BLOCK_SCORE_KEY, entry)
+                writes.append((last_of_layer[score.layer].add.metadata_props, BLOCK_SCORE_KEY, entry))
             else:
-                write_json(by_key[(score.kind, score.layer)].add.metadata_props, SCORE_KEY, entry)
-        write_json(model.metadata_props, CALIBRATION_KEY, self.calibration)
-        return ir.passes.PassResult(model, modified=True)
+                writes.append((by_key[(score.kind, score.layer)].add.metadata_props, SCORE_KEY, entry))
+        modified = False
+        for props, key, value in writes:
+            modified |= read_json(props, key, None) != value
+            write_json(props, key, value)
+        return ir.passes.PassResult(model, modified=modified)
 
 
 def read_scores(model: ir.Model, regions: list[ResidualRegion] | None = None) -> list[dict]:

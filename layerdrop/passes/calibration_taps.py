@@ -8,6 +8,7 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from layerdrop.model_folder import copy_model
+from layerdrop.passes._ir_utils import add_initializer
 from layerdrop.passes.find_residuals import ResidualRegion, annotated_regions
 
 
@@ -32,9 +33,7 @@ def calibration_model(model: ir.Model) -> tuple[ir.Model, list[tuple[str, int, s
     spans = [(r.kind, r.layer, r.skip, r.output) for r in regions]
     spans += [("block", layer, x, y) for layer, (x, y) in _block_spans(regions).items()]
     graph = copy.graph
-    axes = ir.Value(name="layerdrop.calib.axes", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([1]),
-                    const_value=ir.tensor(np.array([-1], dtype=np.int64), name="layerdrop.calib.axes"))
-    graph.register_initializer(axes)
+    axes = add_initializer(graph, "layerdrop.calib.axes", np.array([-1], dtype=np.int64))
     doubles: dict[ir.Value, ir.Value] = {}
     outputs: list[ir.Value] = []
 

@@ -18,6 +18,7 @@ import onnx_ir as ir
 
 from layerdrop.errors import LayerdropError
 from layerdrop.formats import NUM_LAYERS_KEY, REGION_KEY, SCOPES_KEY
+from layerdrop.passes._ir_utils import constant_array
 
 ATTENTION_OPS = frozenset({"Softmax", "Attention", "MultiHeadAttention", "GroupQueryAttention"})
 # Kinds of attention regions a rewrite replaced by a per-token map: structure alone would call them MLPs.
@@ -58,8 +59,9 @@ class ResidualRegion:
         }
 
 
+# An initializer behind a graph input still marks which operand is the weight, so it counts here.
 def _is_constant(value: ir.Value | None) -> bool:
-    return value is None or value.is_initializer() or ir.convenience.get_const_tensor(value) is not None
+    return value is None or value.is_initializer() or constant_array(value) is not None
 
 
 def _ancestors(value: ir.Value, stop_before: int, order: dict[ir.Node, int]) -> set[ir.Node]:

@@ -22,8 +22,8 @@ import onnx_ir as ir
 
 from layerdrop.errors import LayerdropError
 from layerdrop.formats import REGION_KEY, is_past, state_name
+from layerdrop.passes._ir_utils import add_initializer as initializer
 from layerdrop.passes.find_residuals import ResidualRegion, attention_regions
-from layerdrop.passes.harp_bypass import initializer
 from layerdrop.passes.metadata import record_removals, removal_record
 
 

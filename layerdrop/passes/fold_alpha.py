@@ -17,16 +17,11 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
 
-
-def _constant(value: ir.Value | None) -> np.ndarray | None:
-    if value is None or value.is_graph_input():
-        return None
-    tensor = ir.convenience.get_const_tensor(value)
-    return None if tensor is None else tensor.numpy()
+from layerdrop.passes._ir_utils import constant_array
 
 
 def _scalar(value: ir.Value) -> bool:
-    array = _constant(value)
+    array = constant_array(value)
     return array is not None and array.size == 1
 
 
@@ -42,15 +37,15 @@ class ScaledMatMul(RewriteRuleClassBase):
 
     def check(self, context, x, w, c, projected, **_) -> MatchResult:
         result = MatchResult()
-        if _constant(w) is None or not _scalar(c):
+        if constant_array(w) is None or not _scalar(c):
             return result.fail("weight or scale is not constant")
         if not _single_use(projected) or len(w.uses()) != 1:
             return result.fail("the projection or its weight is shared")
         return result
 
     def rewrite(self, op, x, w, c, projected, **_):
-        scale = _constant(c).reshape(())
-        weight = (_constant(w) * scale).astype(_constant(w).dtype)
+        matrix, scale = constant_array(w), constant_array(c).reshape(())
+        weight = (matrix * scale).astype(matrix.dtype)
         return op.MatMul(x, op.initializer(ir.tensor(weight), name=f"{w.name}_scaled"))
 
 
@@ -62,16 +57,16 @@ class ScaledMatMulBias(RewriteRuleClassBase):
 
     def check(self, context, x, w, b, c, projected, biased, **_) -> MatchResult:
         result = MatchResult()
-        if _constant(w) is None or _constant(b) is None or not _scalar(c):
+        if constant_array(w) is None or constant_array(b) is None or not _scalar(c):
             return result.fail("weight, bias or scale is not constant")
         if not (_single_use(projected) and _single_use(biased)) or len(w.uses()) != 1 or len(b.uses()) != 1:
             return result.fail("an intermediate value or a constant is shared")
         return result
 
     def rewrite(self, op, x, w, b, c, projected, biased, **_):
-        scale = _constant(c).reshape(())
-        weight = (_constant(w) * scale).astype(_constant(w).dtype)
-        bias = (_constant(b) * scale).astype(_constant(b).dtype)
+        matrix, shift, scale = constant_array(w), constant_array(b), constant_array(c).reshape(())
+        weight = (matrix * scale).astype(matrix.dtype)
+        bias = (shift * scale).astype(shift.dtype)
         return op.Add(
             op.MatMul(x, op.initializer(ir.tensor(weight), name=f"{w.name}_scaled")),
             op.initializer(ir.tensor(bias), name=f"{b.name}_scaled"),
@@ -86,7 +81,7 @@ class ChainedMatMul(RewriteRuleClassBase):
 
     def check(self, context, x, w, t, projected, **_) -> MatchResult:
         result = MatchResult()
-        first, second = _constant(w), _constant(t)
+        first, second = constant_array(w), constant_array(t)
         if first is None or second is None or first.ndim != 2 or second.ndim != 2:
             return result.fail("the projections are not constant matrices")
         if not _single_use(projected) or len(w.uses()) != 1:
@@ -94,7 +89,8 @@ class ChainedMatMul(RewriteRuleClassBase):
         return result
 
     def rewrite(self, op, x, w, t, projected, **_):
-        weight = (_constant(w).astype(np.float64) @ _constant(t).astype(np.float64)).astype(_constant(w).dtype)
+        matrix = constant_array(w)
+        weight = (matrix.astype(np.float64) @ constant_array(t).astype(np.float64)).astype(matrix.dtype)
         return op.MatMul(x, op.initializer(ir.tensor(weight), name=f"{w.name}_folded"))
 
 
@@ -106,17 +102,17 @@ class ChainedMatMulBias(RewriteRuleClassBase):
 
     def check(self, context, x, w, b, t, projected, biased, **_) -> MatchResult:
         result = MatchResult()
-        first, second = _constant(w), _constant(t)
-        if first is None or second is None or _constant(b) is None or first.ndim != 2 or second.ndim != 2:
+        first, second = constant_array(w), constant_array(t)
+        if first is None or second is None or constant_array(b) is None or first.ndim != 2 or second.ndim != 2:
             return result.fail("the projections or the bias are not constant")
         if not (_single_use(projected) and _single_use(biased)) or len(w.uses()) != 1 or len(b.uses()) != 1:
             return result.fail("an intermediate value or a constant is shared")
         return result
 
     def rewrite(self, op, x, w, b, t, projected, biased, **_):
-        transform = _constant(t).astype(np.float64)
-        weight = (_constant(w).astype(np.float64) @ transform).astype(_constant(w).dtype)
-        bias = (_constant(b).astype(np.float64) @ transform).astype(_constant(b).dtype)
+        matrix, shift, transform = constant_array(w), constant_array(b), constant_array(t).astype(np.float64)
+        weight = (matrix.astype(np.float64) @ transform).astype(matrix.dtype)
+        bias = (shift.astype(np.float64) @ transform).astype(shift.dtype)
         return op.Add(op.MatMul(x, op.initializer(ir.tensor(weight), name=f"{w.name}_folded")),
                       op.initializer(ir.tensor(bias), name=f"{b.name}_folded"))
 

@@ -5,9 +5,9 @@ Recent transformers write the rotary angles as `position_ids[..., None].float() 
 cos/sin-cache fusion reads the older `inv_freq[None, :, None] @ position_ids[:, None, :]` followed by a
 transpose. On the newer form no cos/sin cache forms, so neither does GroupQueryAttention (it needs
 com.microsoft RotaryEmbedding): the fusions stop at MultiHeadAttention on KV heads repeated by Expand, and the
-rotation stays a dozen small ops a layer (on SmolLM2 at 1024 tokens, 30 MultiHeadAttention nodes took 956 ms where
-the model builder's 30 GroupQueryAttention nodes take 687 ms). `rope_frequency_rules` writes the same product in the
-older form before the fusions run; with an inner dimension of 1 the MatMul is the same single multiplication:
+rotation stays a dozen small ops a layer, slower than the model builder's GroupQueryAttention.
+`rope_frequency_rules` writes the same product in the older form before the fusions run; with an inner dimension
+of 1 the MatMul is the same single multiplication:
 
     Mul(Cast(Unsqueeze(position_ids, [-1])), inv_freq[E])
         -> Transpose(MatMul(inv_freq[1, E, 1], Cast(Unsqueeze(position_ids, [1]))), [0, 2, 1])
@@ -27,18 +27,13 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase, RewriteRuleSet
 
+from layerdrop.passes._ir_utils import constant_array
+
 # Ops a causal + padding mask is built from in a torch.export graph; a sliding window adds Sub and Greater.
 _MASK_OPS = frozenset({"Shape", "Squeeze", "Unsqueeze", "Add", "Range", "LessOrEqual", "And", "Cast", "GatherND",
                        "Concat", "Expand", "Where", "Reshape", "Constant", "Gather", "Slice", "Equal", "Not",
                        "Identity"})
 _HEAD_SIZE_MULTIPLE = 16  # ONNX Runtime's CPU GroupQueryAttention kernel
-
-
-def _constant(value: ir.Value | None) -> np.ndarray | None:
-    if value is None or value.is_graph_input():
-        return None
-    tensor = ir.convenience.get_const_tensor(value)
-    return None if tensor is None else tensor.numpy()
 
 
 class RopeFrequenciesAsMatMul(RewriteRuleClassBase):
@@ -53,7 +48,7 @@ class RopeFrequenciesAsMatMul(RewriteRuleClassBase):
         result = MatchResult()
         if not position_ids.is_graph_input() or position_ids.shape is None or len(position_ids.shape) != 2:
             return result.fail("not the [batch, seq] position_ids input")
-        axes_value, frequencies = _constant(axes), _constant(inv_freq)
+        axes_value, frequencies = constant_array(axes), constant_array(inv_freq)
         if axes_value is None or axes_value.reshape(-1).tolist() not in ([-1], [2]):
             return result.fail("not unsqueezed on the last axis")
         if frequencies is None or frequencies.dtype != np.float32 or frequencies.ndim != 1:
@@ -61,7 +56,7 @@ class RopeFrequenciesAsMatMul(RewriteRuleClassBase):
         return result
 
     def rewrite(self, op, position_ids, inv_freq, **_):
-        column = op.initializer(ir.tensor(_constant(inv_freq).reshape(1, -1, 1)), name=f"{inv_freq.name}_column")
+        column = op.initializer(ir.tensor(constant_array(inv_freq).reshape(1, -1, 1)), name=f"{inv_freq.name}_column")
         positions = op.Cast(op.Unsqueeze(position_ids, op.Constant(value_ints=[1])), to=ir.DataType.FLOAT)
         return op.Transpose(op.MatMul(column, positions), perm=[0, 2, 1])
 
@@ -100,7 +95,7 @@ def _plain_attention_blocker(softmax: ir.Node) -> str | None:
         scaling = operand.producer()
         if scaling is None or scaling.op_type != "Mul" or len(scaling.inputs) != 2:
             return "an attention whose scale is not where torch.export writes it"
-        constants = [c for c in (_constant(v) for v in scaling.inputs) if c is not None and c.size == 1]
+        constants = [c for c in (constant_array(v) for v in scaling.inputs) if c is not None and c.size == 1]
         if len(constants) != 1:
             return "an attention whose scale is not a constant"
         factors.append(float(constants[0].reshape(())))

@@ -24,6 +24,7 @@ import onnx_ir as ir
 
 from layerdrop.errors import LayerdropError
 from layerdrop.formats import REGION_KEY
+from layerdrop.passes._ir_utils import add_initializer, constant_array
 from layerdrop.passes.drop_branches import bypass
 from layerdrop.passes.find_residuals import PROJECTION_OPS, ResidualRegion, attention_regions
 from layerdrop.passes.matmul_nbits import dequantized_weight
@@ -38,20 +39,15 @@ def _weight(node: ir.Node) -> np.ndarray | None:
     if node.op_type != "MatMul":
         return None
     value = node.inputs[1]
-    constant = ir.convenience.get_const_tensor(value)
+    constant = constant_array(value)
     if constant is not None:
-        return constant.numpy()
+        return constant
     producer = value.producer()
     if producer is not None and producer.op_type == "Transpose":
-        source = ir.convenience.get_const_tensor(producer.inputs[0])
+        source = constant_array(producer.inputs[0])
         if source is not None:
-            return np.transpose(source.numpy(), producer.attributes.get_ints("perm", None))
+            return np.transpose(source, producer.attributes.get_ints("perm", None))
     return None
-
-
-def _constant(value: ir.Value | None) -> np.ndarray | None:
-    tensor = ir.convenience.get_const_tensor(value) if value is not None else None
-    return tensor.numpy() if tensor is not None else None
 
 
 def _bias_after(value: ir.Value) -> tuple[ir.Value, np.ndarray | None]:
@@ -59,7 +55,7 @@ def _bias_after(value: ir.Value) -> tuple[ir.Value, np.ndarray | None]:
     uses = value.uses()
     if len(uses) == 1 and uses[0].node.op_type == "Add":
         add = uses[0].node
-        other = _constant(add.inputs[1 - uses[0].idx])
+        other = constant_array(add.inputs[1 - uses[0].idx])
         if other is not None:
             return add.outputs[0], other
     return value, None
@@ -79,7 +75,7 @@ def _reaches(start: ir.Value, targets: set[ir.Node], members: set[ir.Node]) -> b
 
 
 def _constant_ints(value: ir.Value | None) -> list[int] | None:
-    array = _constant(value)
+    array = constant_array(value)
     return None if array is None else [int(v) for v in np.asarray(array).reshape(-1)]
 
 
@@ -92,7 +88,7 @@ def _projection_of(value: ir.Value | None, members: set[ir.Node]) -> tuple[np.nd
     bias = None
     if producer is not None and producer.op_type == "Add" and producer in members:
         for index in (0, 1):
-            const = _constant(producer.inputs[1 - index])
+            const = constant_array(producer.inputs[1 - index])
             if const is not None and producer.inputs[index].producer() is not None:
                 bias, producer = const, producer.inputs[index].producer()
                 break
@@ -222,14 +218,6 @@ def folded_vo(region: ResidualRegion, heads: int, kv_heads: int, head_dim: int):
     return o_node, o_out, matrix, bias
 
 
-def initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
-    """Register a constant under `name` and return its value."""
-    value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
-                     const_value=ir.tensor(array, name=name))
-    graph.register_initializer(value)
-    return value
-
-
 def bypass_attention(graph: ir.Graph, region: ResidualRegion, layout: tuple[int, int, int],
                      alpha: float | ir.Value, means: tuple[np.ndarray, np.ndarray] | None = None,
                      keep: ir.Value | None = None) -> None:
@@ -245,9 +233,9 @@ def bypass_attention(graph: ir.Graph, region: ResidualRegion, layout: tuple[int,
     dtype = region.skip.dtype.numpy() if region.skip.dtype is not None else matrix.dtype  # int4 weights read as float64
     matrix, bias = matrix.astype(dtype), None if bias is None else bias.astype(dtype)
     prefix = f"layerdrop.harp.{region.layer}"
-    nodes = [ir.node("MatMul", [region.norm_output, initializer(graph, f"{prefix}.vo", matrix)])]
+    nodes = [ir.node("MatMul", [region.norm_output, add_initializer(graph, f"{prefix}.vo", matrix)])]
     if bias is not None:
-        nodes.append(ir.node("Add", [nodes[-1].outputs[0], initializer(graph, f"{prefix}.bias", bias)]))
+        nodes.append(ir.node("Add", [nodes[-1].outputs[0], add_initializer(graph, f"{prefix}.bias", bias)]))
     projected = nodes[-1].outputs[0]
     graph.insert_before(o_node, nodes)
     readers = [(use.node, use.idx) for use in o_out.uses()]
@@ -270,20 +258,20 @@ def bypass_attention(graph: ir.Graph, region: ResidualRegion, layout: tuple[int,
     if isinstance(alpha, ir.Value):
         scale = alpha
         if keep is not None:
-            scale = add("Where", keep, initializer(graph, f"{prefix}.one", np.asarray(1.0, dtype=dtype)), alpha)
+            scale = add("Where", keep, add_initializer(graph, f"{prefix}.one", np.asarray(1.0, dtype=dtype)), alpha)
     else:
-        scale = initializer(graph, f"{prefix}.alpha", np.asarray(alpha, dtype=dtype))
+        scale = add_initializer(graph, f"{prefix}.alpha", np.asarray(alpha, dtype=dtype))
     result = add("Mul", branch_output, scale)
     if means is not None:  # + (m_B - alpha * m_P)
         branch_mean, bypass_mean = (np.asarray(m, dtype=np.float64) for m in means)
         if isinstance(alpha, ir.Value):
-            offset = add("Sub", initializer(graph, f"{prefix}.branch_mean", branch_mean.astype(dtype)),
-                         add("Mul", initializer(graph, f"{prefix}.bypass_mean", bypass_mean.astype(dtype)), alpha))
+            offset = add("Sub", add_initializer(graph, f"{prefix}.branch_mean", branch_mean.astype(dtype)),
+                         add("Mul", add_initializer(graph, f"{prefix}.bypass_mean", bypass_mean.astype(dtype)), alpha))
             if keep is not None:
-                offset = add("Where", keep, initializer(graph, f"{prefix}.zero", np.asarray(0.0, dtype=dtype)),
+                offset = add("Where", keep, add_initializer(graph, f"{prefix}.zero", np.asarray(0.0, dtype=dtype)),
                              offset)
         else:
-            offset = initializer(graph, f"{prefix}.shift", (branch_mean - alpha * bypass_mean).astype(dtype))
+            offset = add_initializer(graph, f"{prefix}.shift", (branch_mean - alpha * bypass_mean).astype(dtype))
         result = add("Add", result, offset)
     graph.insert_before(region.add, tail)
     region.add.replace_input_with(1 - _skip_index(region), result)
@@ -326,7 +314,7 @@ class HarpBypassPass(ir.passes.InPlacePass):
                 continue
             if alpha == 0:  # the shift alone: the branch becomes its calibration mean, a constant
                 dtype = region.skip.dtype.numpy() if region.skip.dtype is not None else np.float32
-                constant = initializer(graph, f"layerdrop.harp.{layer}.mean", means[0].astype(dtype))
+                constant = add_initializer(graph, f"layerdrop.harp.{layer}.mean", means[0].astype(dtype))
                 region.add.replace_input_with(1 - _skip_index(region), constant)
                 region.add.metadata_props.pop(REGION_KEY, None)
                 continue

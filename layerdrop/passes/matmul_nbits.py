@@ -12,6 +12,7 @@ import numpy as np
 import onnx_ir as ir
 
 from layerdrop.errors import LayerdropError
+from layerdrop.passes._ir_utils import constant_array
 
 
 def _unpack_nibbles(packed: np.ndarray) -> np.ndarray:
@@ -35,14 +36,14 @@ def dequantized_weight(node: ir.Node) -> np.ndarray:
     if bits != 4 or inputs[4] is not None:
         raise LayerdropError(f"{node.name}: a MatMulNBits with {bits} bits{' and g_idx' if inputs[4] else ''} "
                              "cannot be read back; layerdrop reads 4-bit blocks (the model builder's int4)")
-    tensors = [ir.convenience.get_const_tensor(v) if v is not None else None for v in inputs[1:4]]
+    tensors = [constant_array(v) for v in inputs[1:4]]
     if tensors[0] is None or tensors[1] is None or (inputs[3] is not None and tensors[2] is None):
         raise LayerdropError(f"{node.name}: the MatMulNBits weights are not constants; layerdrop cannot read them")
     blocks = (k + block - 1) // block
-    values = _unpack_nibbles(tensors[0].numpy().reshape(n, blocks, block // 2)).astype(np.float64)
-    scales = tensors[1].numpy().astype(np.float64).reshape(n, blocks, 1)
+    values = _unpack_nibbles(tensors[0].reshape(n, blocks, block // 2)).astype(np.float64)
+    scales = tensors[1].astype(np.float64).reshape(n, blocks, 1)
     if tensors[2] is not None:
-        zero = tensors[2].numpy()
+        zero = tensors[2]
         zero = (_unpack_nibbles(zero.reshape(n, -1))[:, :blocks] if zero.dtype == np.uint8
                 else zero.reshape(n, blocks)).astype(np.float64).reshape(n, blocks, 1)
     else:

@@ -13,9 +13,9 @@ import numpy as np
 import onnx_ir as ir
 
 from layerdrop.errors import LayerdropError
+from layerdrop.passes._ir_utils import add_initializer
 from layerdrop.passes.drop_branches import bypass, expand_targets
 from layerdrop.passes.find_residuals import annotated_regions
-from layerdrop.passes.harp_bypass import initializer
 from layerdrop.passes.metadata import record_removals, removal_record
 
 
@@ -35,13 +35,16 @@ class ReplaceBlocksPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         regions = annotated_regions(model)
+        if self.count == 0:  # no block to replace: the transform would stand in for nothing
+            return ir.passes.PassResult(model, modified=False)
         mlp = next((r for r in regions if r.kind == "mlp" and r.layer == self.start), None)
         if mlp is None:
             raise LayerdropError(f"block {self.start} has no MLP to carry the fitted transform")
         run = [("block", layer) for layer in range(self.start + 1, self.start + 1 + self.count)]
         chosen = expand_targets(regions, run)
         dtype = mlp.skip.dtype.numpy() if mlp.skip.dtype is not None else np.float32
-        weight = initializer(model.graph, f"layerdrop.replaceme.{self.start}.transform", self.transform.astype(dtype))
+        name = f"layerdrop.replaceme.{self.start}.transform"
+        weight = add_initializer(model.graph, name, self.transform.astype(dtype))
         project = ir.node("MatMul", [mlp.branch_output, weight])
         model.graph.insert_before(mlp.add, [project])
         mlp.add.replace_input_with(0 if mlp.add.inputs[0] is mlp.branch_output else 1, project.outputs[0])

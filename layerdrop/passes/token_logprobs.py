@@ -2,11 +2,9 @@
 
     layerdrop_token_logprobs[b, t] = LogSoftmax(logits[b, t])[input_ids[b, t + 1]]     t < seq - 1
 
-Perplexity over a vocabulary of 49k tokens spent about a second per 16 windows of 256 tokens in numpy's
-single-threaded log-softmax, as much as several decoder layers; ONNX Runtime's LogSoftmax runs on every thread and
-never hands the [batch, seq, vocab] logits back (`benchmarks/perplexity_speed.py`). Its log-softmax is float32
-throughout: per token within 4e-5 of a float64 one, with a bias of about 1e-5 from summing 49k terms in float32,
-so a perplexity moves by about 2e-5 of itself (numpy's path sums in float64: within 1e-7). The logits stay an
+A log-softmax over a large vocabulary in numpy is single-threaded and needs the [batch, seq, vocab] logits
+copied out of ONNX Runtime; its LogSoftmax runs on every thread and never hands them back. It sums in float32, so a
+perplexity from it can differ from a float64 one in the last few digits. The logits stay an
 output (the same session serves lm-eval), but a session built from this graph computes the log-softmax on every
 run, so prefill timings use a graph without it.
 """
@@ -19,6 +17,7 @@ import onnx_ir as ir
 from layerdrop.errors import LayerdropError
 from layerdrop.formats import TOKEN_LOGPROBS
 from layerdrop.model_folder import copy_model
+from layerdrop.passes._ir_utils import add_initializer
 
 
 class TokenLogprobsPass(ir.passes.InPlacePass):
@@ -44,8 +43,8 @@ class TokenLogprobsPass(ir.passes.InPlacePass):
         if ids is None:
             ids = ir.Value(name="input_ids", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape(["batch", "seq"]))
             graph.inputs.append(ids)
-        one, minus_one = _constant(graph, "one", 1), _constant(graph, "minus_one", -1)
-        zero, end = _constant(graph, "zero", 0), _constant(graph, "end", np.iinfo(np.int64).max)
+        one, minus_one = _index(graph, "one", 1), _index(graph, "minus_one", -1)
+        zero, end = _index(graph, "zero", 0), _index(graph, "end", np.iinfo(np.int64).max)
         scores = logits
         if logits.dtype not in (None, ir.DataType.FLOAT):
             scores = _append(graph, "Cast", [logits], "logits_float", to=ir.DataType.FLOAT)
@@ -61,10 +60,8 @@ class TokenLogprobsPass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=True)
 
 
-def _constant(graph: ir.Graph, name: str, value: int) -> ir.Value:
-    constant = ir.Value(name=f"layerdrop_logprobs_{name}", const_value=ir.tensor(np.array([value], np.int64)))
-    graph.register_initializer(constant)
-    return constant
+def _index(graph: ir.Graph, name: str, value: int) -> ir.Value:
+    return add_initializer(graph, f"layerdrop_logprobs_{name}", np.array([value], np.int64))
 
 
 def _append(graph: ir.Graph, op: str, inputs: list[ir.Value], name: str, **attributes) -> ir.Value:

@@ -4,8 +4,8 @@ Graphs from onnxruntime-genai's model builder (and ORT-optimized graphs) hide ea
 `SkipSimplifiedLayerNormalization` or `SkipLayerNormalization` (com.microsoft): output 0 is Norm(input + skip
 [+ bias]), output 3 the sum itself. This pass rewrites each into `Add` (+ bias) followed by
 `SimplifiedLayerNormalization` or `LayerNormalization` with the same gamma, beta and epsilon. The result computes the
-same values. A folder layerdrop writes keeps them split (ONNX Runtime's CPU provider does not fuse them back;
-measured in the README), unless `--fuse` applies ONNX Runtime's fusions, which restores the fused form.
+same values. A folder layerdrop writes keeps them split (ONNX Runtime's CPU provider does not fuse them back by
+itself), unless `--fuse` applies ONNX Runtime's fusions, which restores the fused form.
 """
 
 from __future__ import annotations
