@@ -193,7 +193,7 @@ def cmd_plan(args) -> int:
                       fit_previous=args.fit_previous, force=args.force, progress=_progress(args),
                       quantize=args.quantize, keep_float=args.keep_float, also_eval=args.also_eval,
                       accuracy_items=args.accuracy_items, speedup_tokens=args.speedup_tokens,
-                      speedup_runs=args.speedup_runs,
+                      speedup_runs=args.speedup_runs, resume=args.resume,
                       options=api.RunOptions(args.provider, args.threads, args.batch_size))
     for note in result.notes:
         print(f"layerdrop: note: {note}", file=sys.stderr)

@@ -252,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fitted attention maps also read the previous token's normalized input: better on kinds of "
                    "text the calibration lacks; the layer's KV cache becomes a one-token state that layerdrop's "
                    "runtime carries (past_fit.N / present_fit.N) and onnxruntime-genai cannot")
+    p.add_argument("--resume", action="store_true", help="go on from the finished measurements of an interrupted "
+                   "plan of the same -o, kept in .NAME.plan-work beside it (removed once the plan is written); a "
+                   "changed input recomputes what depends on it")
     _quantize_option(p)
     p.add_argument("--json", type=Path)
     _sampling_options(p)
