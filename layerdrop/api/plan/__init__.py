@@ -206,11 +206,13 @@ def _candidates(inputs: Inputs, attention: list[int], counts: RowCounts, allowed
     candidates: list[Candidate] = []
     planned = None
     pool = len(candidate_pool(inputs.scores, count, extra)) if count else 0
-    made_of = (inputs.scores, inputs.block_scores, window_ids(inputs.calib), window_ids(inputs.search),
-               window_ids(inputs.fit), inputs.options, inputs.previous)  # what every phase's candidates depend on
+    # what each phase's candidates are made from: the scores, the windows it reads, how ONNX Runtime runs
+    scores, calib, search, fit = (inputs.scores, window_ids(inputs.calib), window_ids(inputs.search),
+                                  window_ids(inputs.fit))
+    shifted = "shift" in allowed
     if count:
         phase("the papers' methods: one-shot and iterative drop, HARP, score-selected bypass")
-        candidates += saved.cached("papers", (made_of, attention, count),
+        candidates += saved.cached("papers", (scores, calib, search, inputs.options, attention, count),
                                    lambda: paper_candidates(inputs, attention, count))
     if fits_searched:
         phase(f"the planner's search over fits of the {pool} lowest-scored layers"
@@ -220,8 +222,9 @@ def _candidates(inputs: Inputs, attention: list[int], counts: RowCounts, allowed
         try:
             fits_grid = grid if per_layer_moves else ()
             planned, found = saved.cached(
-                "fits", (made_of, count, extra, fits_grid, "shift" in allowed, counts.matched),
-                lambda: fit_candidates(inputs, count, extra, fits_grid, "shift" in allowed, counts.matched))
+                "fits", (scores, fit, search, calib if fits_grid and shifted else None, inputs.options,
+                         inputs.previous, count, extra, fits_grid, shifted, counts.matched),
+                lambda: fit_candidates(inputs, count, extra, fits_grid, shifted, counts.matched))
             candidates += found
         except TooFewTokens as exc:
             if named:  # asked for by name: the user must hear why it cannot be done
@@ -231,19 +234,20 @@ def _candidates(inputs: Inputs, attention: list[int], counts: RowCounts, allowed
             phase.total += bool(grid)  # the search over bypasses and drops instead
     if grid and "fit" not in allowed:
         phase(f"the planner's search over the {pool} lowest-scored layers")
-        planned, found = saved.cached("bypasses", (made_of, count, extra, grid, "shift" in allowed),
-                                      lambda: bypass_candidates(inputs, count, extra, grid, "shift" in allowed))
+        planned, found = saved.cached("bypasses", (scores, search, calib if shifted else None, inputs.options,
+                                                   count, extra, grid, shifted),
+                                      lambda: bypass_candidates(inputs, count, extra, grid, shifted))
         candidates += found
     if block_count:
         phase(f"block moves: ShortGPT's drop and ReplaceMe's fitted run of {block_count} blocks"
               + (", and runs of fewer blocks with attention moves" if meter and allowed - {"blocks"} else ""))
         sizes = mixed_sizes(block_count, allowed) if meter is not None else []
-        runs = saved.cached("block-runs", (made_of, block_count, sizes),
+        runs = saved.cached("block-runs", (fit, search, inputs.options, block_count, sizes),
                             lambda: fitted_runs(inputs, [block_count, *sizes]), skipped=inputs.skipped)
         candidates += block_candidates(inputs.block_scores, block_count, runs)
         if runs:
             candidates += saved.cached(
-                "mixed", (made_of, budget.value, sizes, runs, allowed),
+                "mixed", (scores, fit, search, inputs.options, inputs.previous, budget.value, sizes, runs, allowed),
                 lambda: mixed_candidates(inputs, meter, budget.value, sizes, runs, allowed),
                 skipped=inputs.skipped, meter=meter)
     return candidates, planned.log if planned is not None else [], allowed
