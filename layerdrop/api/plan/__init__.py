@@ -141,7 +141,8 @@ def plan(
                     None, options, progress, [], fit_previous)
     phase = _Phases(progress)
     meter = _sizing_meter(inputs, parsed, allowed, speedup_runs, phase) if parsed.kind == "speedup" else None
-    counts = saved.cached("sizing", (parsed, inputs.scores, inputs.block_scores, allowed, extra, options),
+    counts = saved.cached("sizing", (parsed, inputs.scores, inputs.block_scores, allowed, extra, options,
+                                     speedup_runs, fit_previous),
                           lambda: row_counts(parsed, meter, inputs.scores, inputs.block_scores, allowed, extra,
                                              inputs.skipped), skipped=inputs.skipped, meter=meter)
     if "fit" in allowed or counts.blocks:
