@@ -96,11 +96,18 @@ def _table(report: dict) -> dict:
             "baseline": report["baseline"]}
 
 
-def test_a_killed_plan_resumed_gives_the_uninterrupted_table_and_pick_without_remeasuring(killed, scored, tmp_path):
+@pytest.fixture(scope="module")
+def uninterrupted(scored, tmp_path_factory):
+    """plan.json of the killed plan run whole."""
+    return _uninterrupted(scored, tmp_path_factory.mktemp("whole") / "model", "prose")
+
+
+def test_a_killed_plan_resumed_gives_the_uninterrupted_table_and_pick_without_remeasuring(killed, scored, tmp_path,
+                                                                                          uninterrupted):
     work, finished = killed
     saved_rows = [CheckpointStore(work).load(*name.rsplit("-", 1))[0] for name in finished if name.startswith("row-")]
     result = _resumed(killed, scored, tmp_path / "resumed" / "model", "prose")
-    reference = _uninterrupted(scored, tmp_path / "whole" / "model", "prose")
+    reference = uninterrupted
 
     assert _table(result.to_dict()) == _table(reference)
     assert result.pick.method == reference["pick"]["method"]
@@ -111,6 +118,19 @@ def test_a_killed_plan_resumed_gives_the_uninterrupted_table_and_pick_without_re
     for row in saved_rows:  # the killed run's own timings, not new ones
         assert row.speedup is not None and row.to_dict() in methods
     assert not plan_work_area(tmp_path / "resumed" / "model").exists()
+
+
+def test_a_damaged_checkpoint_is_measured_again(killed, scored, tmp_path, uninterrupted):
+    work, finished = killed
+    out = tmp_path / "model"
+    shutil.copytree(work, plan_work_area(out))
+    damaged = next(name for name in finished if name.startswith("row-"))
+    entry = plan_work_area(out) / f"{damaged}.pkl"
+    entry.write_bytes(entry.read_bytes()[:20])
+    result = plan(scored, out, **_options("prose"), resume=True)
+
+    assert _table(result.to_dict()) == _table(uninterrupted)
+    assert damaged in result.checkpoints["computed"] and damaged not in result.checkpoints["loaded"]
 
 
 def test_a_changed_calibration_text_recomputes_only_what_depends_on_it(killed, scored, tmp_path):
