@@ -112,9 +112,7 @@ class CheckpointStore:
         try:
             with open(path, "rb") as handle:
                 value = pickle.load(handle)
-        except FileNotFoundError:
-            return None
-        except Exception:  # noqa: BLE001 - a damaged entry is recomputed, like a missing one
+        except Exception:  # noqa: BLE001 - a missing or damaged entry is computed afresh
             return None
         self.loaded.append(path.name[:-len(SUFFIX)])
         return value
