@@ -178,3 +178,29 @@ def test_ctrl_c_keeps_the_work_folder_and_says_how_to_resume_in_one_line(scored,
     message = capsys.readouterr().err.strip().splitlines()
     assert len(message) == 1 and "--resume" in message[0]
     assert any(name.startswith("baseline-") for name in CheckpointStore(plan_work_area(out)).names())
+
+
+def test_a_speedup_budgets_sizing_resumes_with_its_own_timed_runs(scored, tmp_path, monkeypatch):
+    """The rows of a speedup budget are sized by measured prefill; a resumed plan sizes from the runs the
+    interrupted one timed (its timings of those structures start with them) instead of timing them afresh."""
+    from layerdrop.api.plan import measure
+
+    def interrupted(self, candidate, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    out = tmp_path / "model"
+    options = {**_options("prose"), "budget": "speedup=1.1@32", "moves": "drop"}
+    with monkeypatch.context() as patched:
+        patched.setattr(measure.Measure, "row", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            plan(scored, out, **options)
+    store = CheckpointStore(plan_work_area(out))
+    (sizing,) = [name for name in store.names() if name.startswith("sizing-")]
+    _, _, (_, keys, timings) = store.load(*sizing.rsplit("-", 1))
+    result = plan(scored, out, **options, resume=True)
+
+    assert sizing in result.checkpoints["loaded"] and keys
+    for structure in keys.values():
+        base_ms, ms = timings[structure]
+        assert result.timings[structure]["base_ms"][:len(base_ms)] == base_ms
+        assert result.timings[structure]["ms"][:len(ms)] == ms
