@@ -16,8 +16,9 @@ import time
 from pathlib import Path
 
 from layerdrop.api.common import open_model
-from layerdrop.api.plan import _accuracy, _accuracy_rows
-from layerdrop.runtime.session import make_session
+from layerdrop.api.plan.measure import Measure
+from layerdrop.api.plan.texts import HeldOut, accuracy_items
+from layerdrop.runtime.session import RunOptions, make_session
 from layerdrop.windows import Sampling
 
 
@@ -28,10 +29,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     folder, model = open_model(args.export)
-    items = _accuracy_rows(folder.path, None, args.items, "", Sampling())
+    items = accuracy_items(folder.path, None, args.items, "", Sampling(), [])
     session = make_session(model, folder=folder.path, threads=args.threads)
     started = time.perf_counter()
-    accuracy = _accuracy(model, session, folder.path, items, {"batch_size": 1}).accuracy
+    measure = Measure(model, folder.path, None, HeldOut(None, [], items), 1, RunOptions(threads=args.threads))
+    accuracy = measure.accuracy(model, session).accuracy
     seconds = round(time.perf_counter() - started, 1)
     print(json.dumps({"export": str(args.export), "items": len(items), "seconds": seconds, "accuracy": accuracy}))
 

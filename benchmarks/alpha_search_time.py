@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from layerdrop.api.common import open_model, windows_for
+from layerdrop.runtime.session import RunOptions
 from layerdrop.search import alpha_search
 
 
@@ -39,7 +40,7 @@ def main() -> None:
         alpha_search.GatedSuffix.perplexity = method
         started = time.perf_counter()
         result = alpha_search.greedy_alpha_search(model, folder.path, search.ids, layers, progress=False,
-                                                  threads=args.threads)
+                                                  options=RunOptions(threads=args.threads))
         found[way] = (time.perf_counter() - started, result)
     alpha_search.GatedSuffix.perplexity = written
     (before, old), (after, new) = found["gated"], found["written"]

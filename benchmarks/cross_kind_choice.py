@@ -30,13 +30,13 @@ import numpy as np
 
 import layerdrop.search.alpha_search as alpha_search
 from layerdrop.api.common import open_model, rewrite_passes, windows_for
-from layerdrop.api.plan import ordinary_tokens, with_self_samples
+from layerdrop.api.plan.texts import ordinary_tokens, with_self_samples
 from layerdrop.formats import TOKEN_LOGPROBS
 from layerdrop.passes.attach_scores import read_scores
 from layerdrop.passes.cleanup import run_passes
 from layerdrop.runtime.evaluate import Perplexity, perplexity
 from layerdrop.runtime.feeds import prefill_feed
-from layerdrop.runtime.session import make_session
+from layerdrop.runtime.session import RunOptions, make_session
 from layerdrop.search.fit import fit_attention, solo_fits
 from layerdrop.search.planner import candidate_pool, plan_fits
 from layerdrop.windows import Windows, bundled_text, load_tokenizer, resolve_text
@@ -96,7 +96,7 @@ def main() -> None:
         if text == "self":  # windows the model writes itself, from other draws than the fits' samples
             empty = Windows(calib.ids[:0], {}, calib.bos)
             parts.append(with_self_samples(model, folder.path, empty, args.per_text, 1, False,
-                                           {"threads": args.threads}))
+                                           RunOptions(threads=args.threads)))
         elif text == "repeat":  # in-context copying: random ordinary tokens, then the same tokens again
             parts.append(Windows(repeated_windows(folder.path, calib, args.repeats), {}, calib.bos))
         else:
@@ -107,7 +107,8 @@ def main() -> None:
     held_out = {name: windows_for(folder.path, bundled_text(name), role="eval", samples=32, seq_len=256,
                                   calibration_sha256=sha) for name in HELD_OUT}
     if args.self_samples:
-        calib = with_self_samples(model, folder.path, calib, args.self_samples, 0, False, {"threads": args.threads})
+        calib = with_self_samples(model, folder.path, calib, args.self_samples, 0, False,
+                                  RunOptions(threads=args.threads))
     scores = {r["layer"]: r["score"] for r in read_scores(model) if r["kind"] == "attn"}
     if args.criterion == "worst":  # every search evaluation reads the worst quarter's loss increase instead
         unmodified = window_losses(make_session(model, folder=folder.path, threads=args.threads), search.ids)
@@ -122,14 +123,16 @@ def main() -> None:
 
         alpha_search.perplexity = guarded
     pool = candidate_pool(scores, args.budget, args.extra)
-    solo = solo_fits(model, folder.path, calib, pool, validation=ridge_windows, threads=args.threads)
+    solo = solo_fits(model, folder.path, calib, pool, validation=ridge_windows,
+                     options=RunOptions(threads=args.threads))
     planned = plan_fits(model, folder.path, search.ids, scores, args.budget, solo=solo, extra=args.extra,
-                        progress=False, threads=args.threads)
+                        progress=False, options=RunOptions(threads=args.threads))
     if args.criterion == "worst":
         alpha_search.perplexity = plain
     chosen = sorted(planned.fits)
     _, fitted = open_model(args.scored)
-    fit = fit_attention(fitted, folder.path, calib, chosen, validation=ridge_windows, threads=args.threads)
+    fit = fit_attention(fitted, folder.path, calib, chosen, validation=ridge_windows,
+                        options=RunOptions(threads=args.threads))
     run_passes(fitted, rewrite_passes([], {}, "fit", fits=fit.maps))
     rows = {}
     for name, candidate in (("baseline", model), ("pick", fitted)):

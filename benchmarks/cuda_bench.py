@@ -78,7 +78,7 @@ def measure(built: dict, provider: str, seqs: list[int], contexts: list[int], ru
     from layerdrop.model_folder import load
     from layerdrop.passes.metadata import kv_bytes_per_token
     from layerdrop.runtime.bench import decode_tokens_per_second, model_bytes, peak_memory, prefill_latency
-    from layerdrop.runtime.session import active_provider, make_session
+    from layerdrop.runtime.session import RunOptions, active_provider, make_session
     from layerdrop.search.measure import branch_ideal
 
     root = built["root"]
@@ -88,7 +88,7 @@ def measure(built: dict, provider: str, seqs: list[int], contexts: list[int], ru
     rows: dict = {"prefill": [], "decode": [], "kv_bytes_per_token": [], "model_bytes": [], "peak_memory": []}
     for seq in seqs:
         times = prefill_latency(folders, seq, runs=runs, **args)
-        ideals = [branch_ideal(folders[0], layers, seq, runs=1, **args)["ideal"]
+        ideals = [branch_ideal(folders[0], layers, seq, RunOptions(used, threads), runs=1)["ideal"]
                   for layers in (built["dropped"], list(built["harp"]))]
         rows["prefill"].append({"seq": seq, "ms": [t["median_ms"] for t in times], "ideal": ideals})
     for context in contexts:
@@ -108,6 +108,7 @@ def scoring_time(built: dict, provider: str, dtype: str, windows: int, seq: int,
     import transformers
 
     from layerdrop import api
+    from layerdrop.runtime.session import RunOptions
     from layerdrop.search.measure import compute_scores
     from layerdrop.windows import Windows
 
@@ -115,7 +116,7 @@ def scoring_time(built: dict, provider: str, dtype: str, windows: int, seq: int,
     ids = np.random.RandomState(0).randint(0, SHAPES[root.name]["vocab_size"], size=(windows, seq))
     folder, model = api.open_model(root / "export")
     start = time.perf_counter()
-    compute_scores(model, folder.path, Windows(ids, {}), provider=provider, threads=threads, progress=False)
+    compute_scores(model, folder.path, Windows(ids, {}), options=RunOptions(provider, threads), progress=False)
     ours = time.perf_counter() - start
     device = "cuda" if provider == "cuda" and torch.cuda.is_available() else "cpu"
     torch_dtype = torch.float16 if dtype == "float16" and device == "cuda" else torch.float32

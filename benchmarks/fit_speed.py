@@ -19,7 +19,7 @@ from pathlib import Path
 from layerdrop.api.common import open_model, rewrite_passes, windows_for
 from layerdrop.passes.cleanup import run_passes
 from layerdrop.runtime.evaluate import perplexity
-from layerdrop.runtime.session import make_session
+from layerdrop.runtime.session import RunOptions, make_session
 from layerdrop.search.fit import fit_attention
 
 DEFAULT_LAYERS = "29,28,26,25,22,9,7,3"  # the 8 lowest-scored attention layers of SmolLM2 on the default text
@@ -42,9 +42,11 @@ def main() -> None:
                            calibration_sha256=calib.source["sha256"])
     started = time.perf_counter()
     try:  # this version's fit takes the search windows as Windows; earlier ones took their ids
-        fit = fit_attention(model, folder.path, calib, layers, validation=search, threads=args.threads)
+        fit = fit_attention(model, folder.path, calib, layers, validation=search,
+                            options=RunOptions(threads=args.threads))
     except (AttributeError, TypeError):
-        fit = fit_attention(model, folder.path, calib, layers, validation=search.ids, threads=args.threads)
+        fit = fit_attention(model, folder.path, calib, layers, validation=search.ids,
+                            options=RunOptions(threads=args.threads))
     seconds = time.perf_counter() - started
     run_passes(model, rewrite_passes([], {}, "fit", fits=fit.maps))
     session = make_session(model, folder=folder.path, threads=args.threads)

@@ -1,5 +1,6 @@
 """Time the perplexities of `plan`'s measured rows run through the whole model and from the baseline's hidden state
-at each row's lowest changed layer (`api.plan._Prefix`, what `plan` does), on the windows `plan` measures by default.
+at each row's lowest changed layer (`api.plan.measure.Prefix`, what `plan` does), on the windows `plan` measures by
+default.
 
     python benchmarks/measure_rows.py PLAN_DIR [--threads 2]
 
@@ -21,7 +22,11 @@ from pathlib import Path
 import numpy as np
 
 from layerdrop.api.common import open_model, windows_for
-from layerdrop.api.plan import Candidate, _HeldOut, _perplexities, _prefix, _rewritten
+from layerdrop.api.plan.candidates import Candidate
+from layerdrop.api.plan.measure import Measure, choose_prefix
+from layerdrop.api.plan.texts import HeldOut
+from layerdrop.passes.fit_attention import FittedMap
+from layerdrop.runtime.session import RunOptions
 from layerdrop.windows import bundled_text
 
 
@@ -37,32 +42,33 @@ def main() -> None:
     search = windows_for(folder.path, None, role="search", samples=16, seq_len=256, calibration_sha256=digest)
     texts = [windows_for(folder.path, bundled_text(name), role="eval", samples=32, seq_len=256,
                          calibration_sha256=digest) for name in ("eval", "docs", "code", "dictionary")]
-    held_out = _HeldOut(texts[0], texts[1:], None)
+    held_out = HeldOut(texts[0], texts[1:], None)
     sets = held_out.sets(search)
     hidden = int(json.loads((folder.path / "config.json").read_text())["hidden_size"])
     candidates = []
     for row in report["methods"]:
         if row["replaced_into"] is not None:
             continue
-        fits = {int(k): (np.zeros((hidden, hidden), np.float32), np.zeros(hidden, np.float32)) for k in row["fits"]}
+        fits = {int(k): FittedMap(np.zeros((hidden, hidden), np.float32), np.zeros(hidden, np.float32))
+                for k in row["fits"]}
         candidates.append(Candidate(row["method"], {int(k): v for k, v in row["alphas"].items()}, fits=fits or None,
                                     blocks=row["blocks"]))
     windows = sum(len(w.ids) for w in sets.values())
-    prefix = _prefix(model, candidates, windows, 256)
-    session_args = {"provider": "cpu", "threads": args.threads}
+    prefix = choose_prefix(model, candidates, windows, 256)
+    ways = {way: Measure(model, folder.path, search, held_out, 1, RunOptions(threads=args.threads), prefix=kept)
+            for way, kept in (("whole", None), ("from kept state", prefix))}
     started = time.perf_counter()
-    _perplexities(model, folder.path, Candidate("baseline"), sets, prefix, session_args, 1)
+    ways["from kept state"].perplexities(model, Candidate("baseline"), sets)
     print(json.dumps({"baseline_s": round(time.perf_counter() - started, 1), "kept_layers": sorted(prefix.entries),
                       "windows": windows}), flush=True)
     totals = {"whole": 0.0, "from kept state": 0.0}
     for index, candidate in enumerate(candidates):
-        rewritten = _rewritten(model, candidate)
-        ways = {"whole": None, "from kept state": prefix}
+        rewritten = candidate.applied_to(model)
         order = list(ways) if index % 2 == 0 else list(ways)[::-1]
         row = {"method": candidate.name, "starts_at": prefix.start(rewritten, candidate)}
         for way in order:
             started = time.perf_counter()
-            found = _perplexities(rewritten, folder.path, candidate, sets, ways[way], session_args, 1)
+            found = ways[way].perplexities(rewritten, candidate, sets)
             seconds = time.perf_counter() - started
             totals[way] += seconds
             row[f"{way} s"], row[f"{way} search ppl"] = round(seconds, 1), round(found["search"], 4)

@@ -21,7 +21,7 @@ from layerdrop.model_folder import copy_model
 from layerdrop.passes.graph_cuts import HIDDEN_INPUT, suffix_to_logits
 from layerdrop.passes.token_logprobs import with_token_logprobs
 from layerdrop.runtime.evaluate import perplexity
-from layerdrop.runtime.session import make_session
+from layerdrop.runtime.session import RunOptions, make_session
 from layerdrop.search.measure import attention_entries, hidden_states_at
 
 
@@ -35,7 +35,8 @@ def main() -> None:
     args = parser.parse_args()
     folder, model = open_model(args.export)
     windows = windows_for(folder.path, None, role="search", samples=args.samples, seq_len=256).ids
-    hidden = hidden_states_at(model, folder.path, windows, [args.from_layer], threads=args.threads)[args.from_layer]
+    hidden = hidden_states_at(model, folder.path, windows, [args.from_layer],
+                              options=RunOptions(threads=args.threads))[args.from_layer]
     suffix = suffix_to_logits(copy_model(model), attention_entries(model)[args.from_layer])
     report = {"samples": args.samples, "from_layer": args.from_layer, "runs": args.runs}
     graphs = [("whole model", model, None),

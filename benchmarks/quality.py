@@ -20,7 +20,7 @@ from layerdrop.passes.attach_scores import read_scores
 from layerdrop.passes.cleanup import run_passes
 from layerdrop.passes.metadata import removed_modules
 from layerdrop.runtime.evaluate import perplexity
-from layerdrop.runtime.session import make_session
+from layerdrop.runtime.session import RunOptions, make_session
 from layerdrop.search.alpha_search import greedy_alpha_search
 from layerdrop.search.selection import drop_iteratively, select_lowest
 from layerdrop.windows import Sampling
@@ -62,12 +62,12 @@ def main() -> None:
     scratch = copy_model(model)
     calib = api.windows_for(folder.path, Path("prose"), role="calib", samples=16, seq_len=args.seq_len,
                             sampling=sampling)
-    drop_iteratively(scratch, folder.path, calib, ("attn",), 8, "cpu", args.threads, True)
+    drop_iteratively(scratch, folder.path, calib, ("attn",), 8, RunOptions(threads=args.threads), True)
     iterative = [(e["kind"], e["layer"]) for e in removed_modules(scratch)]
     table.append(("attn-8 iterative", ppl(iterative)))
     top8 = attention[::-1][:8]
     start = time.perf_counter()
-    searched = greedy_alpha_search(model, folder.path, search, top8, threads=args.threads).alphas
+    searched = greedy_alpha_search(model, folder.path, search, top8, options=RunOptions(threads=args.threads)).alphas
     search_seconds = time.perf_counter() - start
     table.append(("HARP top-8, searched alphas", ppl(alphas=searched)))
     table.append(("HARP top-8, alpha = 1", ppl(alphas=dict.fromkeys(top8, 1.0))))

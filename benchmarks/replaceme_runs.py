@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from layerdrop.api.common import open_model, windows_for
+from layerdrop.runtime.session import RunOptions
 from layerdrop.search.blocks import replaceme, replaceme_runs
 
 
@@ -33,11 +34,13 @@ def main() -> None:
     search = windows_for(folder.path, None, role="search", samples=16, seq_len=256,
                          calibration_sha256=fit_windows.source["sha256"])
     started = time.perf_counter()
-    alone = {n: replaceme(model, folder.path, fit_windows, n, validation=search.ids, threads=args.threads)
+    alone = {n: replaceme(model, folder.path, fit_windows, n, validation=search.ids,
+                          options=RunOptions(threads=args.threads))
              for n in counts}
     one_by_one = time.perf_counter() - started
     started = time.perf_counter()
-    together = replaceme_runs(model, folder.path, fit_windows, counts, validation=search.ids, threads=args.threads)
+    together = replaceme_runs(model, folder.path, fit_windows, counts, validation=search.ids,
+                              options=RunOptions(threads=args.threads))
     shared = time.perf_counter() - started
     same = all((alone[n].start, alone[n].ridge) == (together[n].start, together[n].ridge)
                and np.allclose(alone[n].transform, together[n].transform, rtol=0, atol=1e-6) for n in counts)

@@ -17,10 +17,10 @@ import json
 from pathlib import Path
 
 from layerdrop.api.common import open_model, rewrite_passes, windows_for
-from layerdrop.api.plan import with_self_samples
+from layerdrop.api.plan.texts import with_self_samples
 from layerdrop.passes.cleanup import run_passes
 from layerdrop.runtime.evaluate import perplexity
-from layerdrop.runtime.session import make_session
+from layerdrop.runtime.session import RunOptions, make_session
 from layerdrop.search.fit import fit_attention
 from layerdrop.windows import bundled_text, resolve_text
 
@@ -48,10 +48,11 @@ def main() -> None:
     variants = {"calibration text": calib}
     if args.self_samples:
         variants[f"plus {args.self_samples} self-samples"] = with_self_samples(
-            unmodified, folder.path, calib, args.self_samples, 0, False, {"threads": args.threads})
+            unmodified, folder.path, calib, args.self_samples, 0, False, RunOptions(threads=args.threads))
     for name, windows in variants.items():
         _, model = open_model(args.scored)
-        fit = fit_attention(model, folder.path, windows, layers, validation=search, threads=args.threads)
+        fit = fit_attention(model, folder.path, windows, layers, validation=search,
+                            options=RunOptions(threads=args.threads))
         run_passes(model, rewrite_passes([], {}, "fit", fits=fit.maps))
         session = make_session(model, folder=folder.path, threads=args.threads)
         row = {"fits on": name, "layers": layers, "ridges": fit.ridges,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from layerdrop import model_folder
 from layerdrop.runtime.bench import paired_speedup
-from layerdrop.runtime.session import make_session
+from layerdrop.runtime.session import RunOptions, make_session
 from layerdrop.search.selection import PrefillMeter
 
 LAYERS = [29, 28, 27, 26, 25, 22, 17, 14, 13, 12, 9, 7, 6]  # the mixed text's 13 lowest-scored, in that order
@@ -31,7 +31,7 @@ def main() -> None:
     args = parser.parse_args()
     folder, model = model_folder.load(args.scored)
     base = make_session(model, folder=folder.path, threads=2)
-    meter = PrefillMeter(model, folder.path, args.seq, base, runs=5, threads=2)
+    meter = PrefillMeter(model, folder.path, args.seq, base, runs=5, options=RunOptions(threads=2))
     result: dict = {"warmup": [], "speedups": {}}
     print("first timed runs of a fresh session (ms), base / new, runs alternating:")
     for warmup, layers in ((1, 6), (2, 7), (1, 8), (2, 9)):  # a new structure each time, the base shared

@@ -44,10 +44,10 @@ def test_fitted_attention_equals_torch_with_independently_fitted_maps(exported, 
     fit = fit_attention(model, folder.path, Windows(windows, {}), LAYERS, ridges=(RIDGE,), previous=previous)
     reference, maps = fitted(tiny_model(family), windows, LAYERS, RIDGE, previous=previous)
     for layer in LAYERS:  # the maps themselves, and the model they make
-        width = fit.maps[layer][0].shape[1]
-        assert fit.maps[layer][0].shape == ((1 + previous) * width, width)
-        np.testing.assert_allclose(fit.maps[layer][0], maps[layer][0], atol=1e-4)
-        np.testing.assert_allclose(fit.maps[layer][1], maps[layer][1], atol=1e-4)
+        width = fit.maps[layer].weight.shape[1]
+        assert fit.maps[layer].weight.shape == ((1 + previous) * width, width) and fit.maps[layer].previous == previous
+        np.testing.assert_allclose(fit.maps[layer].weight, maps[layer][0], atol=1e-4)
+        np.testing.assert_allclose(fit.maps[layer].bias, maps[layer][1], atol=1e-4)
     run_passes(model, api.rewrite_passes([], {}, "fit", fits=fit.maps))
     save(model, tmp_path / "fitted", source=folder)
     ids = rng.randint(0, VOCAB, size=(1, 11))
@@ -79,8 +79,8 @@ def test_solo_fits_and_the_gated_fit_graph_equal_torch_with_maps_fitted_alone(ex
     torch_model = tiny_model(family)
     maps = {layer: fitted(torch_model, windows, [layer], RIDGE)[1][layer] for layer in LAYERS}
     for layer in LAYERS:
-        np.testing.assert_allclose(solo.maps[layer][0], maps[layer][0], atol=1e-4)
-        np.testing.assert_allclose(solo.maps[layer][1], maps[layer][1], atol=1e-4)
+        np.testing.assert_allclose(solo.maps[layer].weight, maps[layer][0], atol=1e-4)
+        np.testing.assert_allclose(solo.maps[layer].bias, maps[layer][1], atol=1e-4)
     suffix = GatedSuffix(model, folder.path, search, LAYERS, fits=solo.maps)
     for moved in ([LAYERS[1]], LAYERS):
         expected = torch_perplexity(with_maps(torch_model, {k: maps[k] for k in moved}), search)
@@ -182,3 +182,19 @@ def test_the_gated_fit_graph_takes_maps_that_read_the_previous_token(exported, r
     for moved in ([LAYERS[1]], LAYERS):
         expected = torch_perplexity(with_maps(torch_model, {k: solo.maps[k] for k in moved}), search)
         assert suffix.perplexity(dict.fromkeys(moved, 0.0), LAYERS[0]) == pytest.approx(expected, rel=1e-4)
+
+
+@pytest.mark.parametrize("previous", [False, True])
+def test_a_map_whose_rows_do_not_match_its_previous_flag_is_refused(exported, previous):
+    """A map says whether it reads the previous token; one with the other flag's rows (d for 2d, 2d for d) is
+    refused, the graph left as it was."""
+    from layerdrop.errors import LayerdropError
+    from layerdrop.passes.fit_attention import FitAttentionPass, FittedMap
+
+    _, model = api.open_model(exported("llama", True))
+    nodes = len(list(model.graph))
+    width = 32
+    wrong = FittedMap(np.zeros(((2 - previous) * width, width), np.float32), np.zeros(width, np.float32), previous)
+    with pytest.raises(LayerdropError):
+        FitAttentionPass({1: wrong})(model)
+    assert len(list(model.graph)) == nodes

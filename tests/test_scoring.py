@@ -24,7 +24,8 @@ from tests.torch_reference import VOCAB, hook_scores, tiny_model
 def test_scores_match_torch_hooks(exported, family, kv_cache, rng):
     folder, model = open_model(exported(family, kv_cache))
     windows = rng.randint(0, VOCAB, size=(3, 24))
-    scores = compute_scores(model, folder.path, Windows(windows, {}), batch_size=2, progress=False)
+    scores = compute_scores(model, folder.path, Windows(windows, {}), options=api.RunOptions(batch_size=2),
+                            progress=False)
     reference = hook_scores(tiny_model(family), windows)
     assert len(scores) == 12
     for s in scores:

@@ -340,10 +340,12 @@ def fitted(model: torch.nn.Module, windows: np.ndarray, layers, ridge: float, pr
 
 
 def with_maps(model: torch.nn.Module, maps: dict) -> torch.nn.Module:
-    """A copy of `model` with each layer of `maps` (layer -> (W, b)) replaced by its map, as the fit move does."""
+    """A copy of `model` with each layer of `maps` (layer -> layerdrop's FittedMap, or (W, b) as `fitted` returns)
+    replaced by its map, as the fit move does."""
     model = copy.deepcopy(model)
     dtype = next(model.parameters()).dtype
-    for index, (weight, bias) in maps.items():
+    for index, found in maps.items():
+        weight, bias = (found.weight, found.bias) if hasattr(found, "weight") else found
         _put_map(model.model.layers[index], weight, bias, dtype)
     return model
 

@@ -19,7 +19,8 @@ from layerdrop.api.pipeline import pipeline
 from layerdrop.api.plan import plan
 from layerdrop.api.quantize import quantize
 from layerdrop.api.score import score
+from layerdrop.runtime.session import RunOptions
 
-__all__ = ["DEFAULT_SAMPLES", "DEFAULT_SEQ_LEN", "bench", "check", "drop", "evaluate", "export", "fuse",
+__all__ = ["DEFAULT_SAMPLES", "DEFAULT_SEQ_LEN", "RunOptions", "bench", "check", "drop", "evaluate", "export", "fuse",
            "generate_text", "harness", "harp", "inspect", "open_model", "pipeline", "plan", "plot_scores", "quantize",
            "rewrite_passes", "score", "windows_for", "write_json"]

@@ -9,6 +9,7 @@ from layerdrop.errors import LayerdropError
 from layerdrop.formats import FUSIONS_KEY
 from layerdrop.passes.metadata import kv_bytes_per_token, removed_modules
 from layerdrop.runtime.bench import compare
+from layerdrop.runtime.session import RunOptions
 
 
 def bench(base: Path, pruned: Path, *, seqs: tuple[int, ...] | None = None, batch: int = 1, runs: int = 5,
@@ -39,11 +40,11 @@ def bench(base: Path, pruned: Path, *, seqs: tuple[int, ...] | None = None, batc
     result["kv_bytes_per_token"] = {name: kv_bytes_per_token(graph)
                                     for name, graph in zip(("base", "pruned", "reference"), graphs)}
     if fused:
-        _structural_ideal(result, base, *graphs[:2], provider=result["provider"], threads=threads)
+        _structural_ideal(result, base, *graphs[:2], RunOptions(result["provider"], threads))
     return result
 
 
-def _structural_ideal(result: dict, base: Path, base_graph, pruned_graph, **session_args) -> None:
+def _structural_ideal(result: dict, base: Path, base_graph, pruned_graph, options: RunOptions) -> None:
     """For fused graphs, whose fused nodes get new names on every rewrite, the ideal from the branches the pruned
     model's removal record names, found by structure in the base graph (`search.measure.module_ideal`); None
     where the record does not say (the base had removals of its own, or the pruned model has none)."""
@@ -52,6 +53,6 @@ def _structural_ideal(result: dict, base: Path, base_graph, pruned_graph, **sess
     removed = {(e["kind"], int(e["layer"])) for e in removed_modules(pruned_graph)}
     usable = bool(removed) and not removed_modules(base_graph)
     for entry in result["prefill"]:
-        ideal = module_ideal(base, removed, entry["seq"], **session_args) if usable else {
+        ideal = module_ideal(base, removed, entry["seq"], options) if usable else {
             "ideal": None, "removed_share": None}
         entry.update(ideal, ideal_from="regions")

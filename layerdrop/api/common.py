@@ -66,7 +66,7 @@ def calibration_sha256(model: ir.Model) -> str | None:
 def rewrite_passes(drops: list[tuple[str, int]], alphas: dict[int, float], reason: str, fuse: bool = False,
                    means: dict | None = None, fits: dict | None = None,
                    quantize: str | None = None) -> list[ir.passes.PassBase]:
-    """The passes that apply drops, fitted maps (layer -> (W, b)) and HARP bypasses (mean-shifted for the layers
+    """The passes that apply drops, fitted maps (layer -> FittedMap) and HARP bypasses (mean-shifted for the layers
     in `means`) to an annotated model, fold alphas, prune the KV cache, clean up and annotate again; with `fuse`,
     ONNX Runtime fusions (which also restore a builder graph's skip-norms); with `quantize="int4"`, ONNX Runtime's
     MatMulNBits quantizer last of all: remove first, then quantize. `run_passes` returns the model to keep (the

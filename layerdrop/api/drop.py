@@ -23,6 +23,7 @@ from layerdrop.passes.cleanup import run_passes
 from layerdrop.passes.drop_branches import DropBranchesPass
 from layerdrop.passes.find_residuals import annotated_regions
 from layerdrop.passes.metadata import kv_layer_map, removed_modules
+from layerdrop.runtime.session import RunOptions
 from layerdrop.search.selection import drop_iteratively, select_lowest, selection_kinds
 from layerdrop.windows import Sampling
 
@@ -79,7 +80,7 @@ def drop(
     else:
         windows = windows_for(folder.path, calib, role="calib", samples=samples, seq_len=seq_len, sampling=sampling)
         for kinds, count in selection_kinds(counts):
-            drop_iteratively(model, folder.path, windows, kinds, count, provider, threads, progress)
+            drop_iteratively(model, folder.path, windows, kinds, count, RunOptions(provider, threads), progress)
     model = run_passes(model, [*passes, *rewrite_passes([], {}, "", fuse=fuse, quantize=quantize)])
     save_model(model, out_dir, folder, force=force)
     return {"fusions": fusions(model), "fusion_note": fusion_note(model), "dropped": removed_modules(model),

@@ -22,6 +22,7 @@ from layerdrop.formats import HARP_SEARCH_KEY
 from layerdrop.passes.cleanup import run_passes
 from layerdrop.passes.find_residuals import annotated_regions
 from layerdrop.passes.metadata import kv_layer_map, write_json
+from layerdrop.runtime.session import RunOptions
 from layerdrop.search.alpha_search import greedy_alpha_search
 from layerdrop.windows import Sampling
 
@@ -80,7 +81,7 @@ def harp(
                                   sampling=sampling, calibration_sha256=calibration_sha256(model))
             start = time.perf_counter()
             found = greedy_alpha_search(model, folder.path, windows.ids, layers, progress=progress,
-                                        batch_size=batch_size, provider=provider, threads=threads)
+                                        options=RunOptions(provider, threads, batch_size))
             seconds = time.perf_counter() - start
             alphas, trials = found.alphas, found.trials
             write_json(model.metadata_props, HARP_SEARCH_KEY,

@@ -9,6 +9,7 @@ from layerdrop import model_folder
 from layerdrop.api.common import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, open_model, save_model, windows_for
 from layerdrop.passes.attach_scores import AttachScoresPass
 from layerdrop.passes.cleanup import run_passes
+from layerdrop.runtime.session import RunOptions
 from layerdrop.search.measure import compute_scores
 from layerdrop.search.selection import rank_overlap
 from layerdrop.windows import Sampling
@@ -42,7 +43,7 @@ def score(
     folder, model = open_model(model_path)
     if out_dir is not None:
         model_folder.reserve_output(Path(out_dir), inputs=[folder.path], force=force)
-    measure = {"batch_size": batch_size, "provider": provider, "threads": threads, "progress": progress}
+    measure = {"options": RunOptions(provider, threads, batch_size), "progress": progress}
     windows = windows_for(folder.path, calib, role="calib", samples=samples, seq_len=seq_len, sampling=sampling)
     scores = compute_scores(model, folder.path, windows, **measure)
     result = {"calibration": windows.source, "regions": [asdict(s) for s in scores]}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from layerdrop import api, model_folder
 from layerdrop.cli.options import parse_modules
 from layerdrop.cli.parser import sampling
@@ -185,19 +187,21 @@ def cmd_plan(args) -> int:
 
     result = api.plan(args.model, args.output, budget=args.budget, calib=args.calib, eval_text=args.eval,
                       search_text=args.search_text, samples=args.samples, search_samples=args.search_samples,
-                      eval_samples=args.eval_samples,
-                      fit_samples=args.fit_samples, seq_len=args.seq_len, sampling=sampling(args),
-                      batch_size=args.batch_size, extra=args.extra, moves=args.moves, shift=args.shift,
+                      eval_samples=args.eval_samples, fit_samples=args.fit_samples, seq_len=args.seq_len,
+                      sampling=sampling(args), extra=args.extra, moves=args.moves, shift=args.shift,
                       per_layer_moves=args.per_layer_moves, self_samples=args.self_samples,
-                      fit_previous=args.fit_previous, force=args.force,
-                      progress=_progress(args), quantize=args.quantize,
-                      keep_float=args.keep_float, also_eval=args.also_eval,
+                      fit_previous=args.fit_previous, force=args.force, progress=_progress(args),
+                      quantize=args.quantize, keep_float=args.keep_float, also_eval=args.also_eval,
                       accuracy_items=args.accuracy_items, speedup_tokens=args.speedup_tokens,
-                      speedup_runs=args.speedup_runs, **_runtime(args))
-    print(plan_table(result))
-    print(f"pick: {result['pick']['method']}; search took {result['search_seconds']:.0f} s; written to {args.output}")
+                      speedup_runs=args.speedup_runs, resume=args.resume,
+                      options=api.RunOptions(args.provider, args.threads, args.batch_size))
+    for note in result.notes:
+        print(f"layerdrop: note: {note}", file=sys.stderr)
+    report = result.to_dict()
+    print(plan_table(report))
+    print(f"pick: {result.pick.method}; search took {result.search_seconds:.0f} s; written to {args.output}")
     if args.json:
-        api.write_json(result, args.json)
+        api.write_json(report, args.json)
     return 0
 
 

@@ -253,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "text the calibration lacks; the layer's KV cache becomes a one-token state "
                    "(past_key_values.N.conv_state) that layerdrop's runtime and onnxruntime-genai (greedy and "
                    "sampling, not beam search) carry")
+    p.add_argument("--resume", action="store_true", help="go on from the finished measurements of an interrupted "
+                   "plan of the same -o, kept in .NAME.plan-work beside it (removed once the plan is written); a "
+                   "changed input recomputes what depends on it")
     _quantize_option(p)
     p.add_argument("--json", type=Path)
     _sampling_options(p)

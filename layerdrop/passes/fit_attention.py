@@ -4,7 +4,8 @@ The whole branch goes, with the family's post-attention norm if it has one (Gemm
 one MatMul + Add from the branch's normalized input. W and b come from a least-squares fit on calibration hidden
 states (`search.fit`); this pass only writes them. The layer's KV cache goes with `PruneKvCachePass`.
 
-A map of twice the hidden size in rows (`plan --fit-previous`) also reads the previous token's normalized input:
+A map with `previous` set (`plan --fit-previous`; twice the hidden size in rows) also reads the previous token's
+normalized input:
 [Norm(X)_t, Norm(X)_{t-1}] W + b, with Norm(X)_{-1} = 0 and a padded position's state taken as 0 (the mask). In a
 graph with a KV cache the previous token's state is carried from step to step in the form onnxruntime-genai's
 RecurrentState carries (layerdrop.formats): `past_key_values.{layer}.conv_state` [batch, d, 1] in and
@@ -18,6 +19,7 @@ previous state is the sequence shifted by one.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
@@ -29,8 +31,18 @@ from layerdrop.passes.find_residuals import ResidualRegion, attention_regions
 from layerdrop.passes.metadata import record_removals, removal_record
 
 
+@dataclass(frozen=True)
+class FittedMap:
+    """A linear map in place of an attention branch, Norm(X) W + b: `weight` [d, d] and `bias` [d]; with `previous`,
+    `weight` is [2d, d] and its last d rows read the previous token's normalized input (module docstring)."""
+
+    weight: np.ndarray
+    bias: np.ndarray
+    previous: bool = False
+
+
 class FitAttentionPass(ir.passes.InPlacePass):
-    """Replace the attention branch of each layer in `maps` (layer -> (W [d, d], b [d])) by Norm(X) W + b.
+    """Replace the attention branch of each layer in `maps` (layer -> FittedMap) by its map.
 
     Reads the regions `FindResidualsPass` annotated; records each layer (how = "fit") under `layerdrop.dropped`.
 
@@ -38,7 +50,7 @@ class FitAttentionPass(ir.passes.InPlacePass):
         LayerdropError: a layer has no attention region, or a map does not fit the hidden size.
     """
 
-    def __init__(self, maps: dict[int, tuple[np.ndarray, np.ndarray]], reason: str = "fit") -> None:
+    def __init__(self, maps: dict[int, FittedMap], reason: str = "fit") -> None:
         super().__init__()
         self.maps = dict(maps)
         self.reason = reason
@@ -49,7 +61,7 @@ class FitAttentionPass(ir.passes.InPlacePass):
         entries = []
         for layer in sorted(self.maps):
             region = regions[layer]
-            fit_branch(graph, region, *self.maps[layer])
+            fit_branch(graph, region, self.maps[layer])
             entries.append(removal_record(region, "fit", self.reason))
             # structure alone would call this branch an MLP now; the annotation keeps what it was
             region.add.metadata_props[REGION_KEY] = json.dumps({**region.annotation(), "kind": "fit"}, sort_keys=True)
@@ -57,32 +69,32 @@ class FitAttentionPass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=bool(self.maps))
 
 
-def fit_branch(graph: ir.Graph, region: ResidualRegion, weight: np.ndarray, bias: np.ndarray,
-               keep: ir.Value | None = None) -> None:
-    """Make the residual Add of `region` read Norm(X) W + b instead of the branch; with `keep` (a boolean scalar
-    input), Where(keep, branch, Norm(X) W + b), so one graph computes both. The one place that writes the map;
-    `FitAttentionPass` and the gated search graph both call it.
+def fit_branch(graph: ir.Graph, region: ResidualRegion, fitted: FittedMap, keep: ir.Value | None = None) -> None:
+    """Make the residual Add of `region` read the `fitted` map's Norm(X) W + b instead of the branch; with `keep`
+    (a boolean scalar input), Where(keep, branch, Norm(X) W + b), so one graph computes both. The one place that
+    writes the map; `FitAttentionPass` and the gated search graph both call it.
 
     Raises:
-        LayerdropError: the branch has no normalized input to fit from.
+        LayerdropError: the branch has no normalized input to fit from, or the map's rows do not fit the hidden size.
     """
     if region.norm_output is None:
         raise LayerdropError(f"layer {region.layer}: the attention branch has no normalized input to fit")
     dtype = region.skip.dtype.numpy() if region.skip.dtype is not None else np.float32
     prefix = f"layerdrop.fit.{region.layer}"
-    weight = np.asarray(weight).astype(dtype)
+    weight = np.asarray(fitted.weight).astype(dtype)
     width = weight.shape[1]
+    if len(weight) != (1 + fitted.previous) * width:
+        raise LayerdropError(f"layer {region.layer}: a map of {len(weight)} rows for hidden size {width}"
+                             + (" and the previous token" if fitted.previous else ""))
     project = ir.node("MatMul", [region.norm_output, initializer(graph, f"{prefix}.weight", weight[:width])])
     nodes = [project]
-    if len(weight) == 2 * width:  # and the previous token's state
+    if fitted.previous:
         nodes += previous_states(graph, region.norm_output, region.layer, width, dtype)
         nodes.append(ir.node("MatMul", [nodes[-1].outputs[0],
                                         initializer(graph, f"{prefix}.previous_weight", weight[width:])]))
         nodes.append(ir.node("Add", [project.outputs[0], nodes[-1].outputs[0]]))
-    elif len(weight) != width:
-        raise LayerdropError(f"layer {region.layer}: a map of {len(weight)} rows for hidden size {width}")
     shift = ir.node("Add", [nodes[-1].outputs[0], initializer(graph, f"{prefix}.bias",
-                                                              np.asarray(bias).astype(dtype))])
+                                                              np.asarray(fitted.bias).astype(dtype))])
     nodes.append(shift)
     skip_index = 0 if region.add.inputs[0] is region.skip else 1
     if keep is not None:

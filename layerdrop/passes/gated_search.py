@@ -17,7 +17,7 @@ import numpy as np
 import onnx_ir as ir
 
 from layerdrop.passes.find_residuals import attention_regions
-from layerdrop.passes.fit_attention import fit_branch
+from layerdrop.passes.fit_attention import FittedMap, fit_branch
 from layerdrop.passes.harp_bypass import bypass_attention, head_layout
 
 ALPHA_INPUT = "layerdrop_alpha"
@@ -52,14 +52,14 @@ class GatedBypassPass(ir.passes.InPlacePass):
 
 
 class GatedFitPass(ir.passes.InPlacePass):
-    """Give each attention layer of `maps` (layer -> (W, b)) a keep input choosing between its attention and its map
+    """Give each attention layer of `maps` (layer -> FittedMap) a keep input choosing between its attention and its map
     (module docstring).
 
     Raises:
         LayerdropError: a layer has no attention region with a normalized input.
     """
 
-    def __init__(self, maps: dict[int, tuple[np.ndarray, np.ndarray]]) -> None:
+    def __init__(self, maps: dict[int, FittedMap]) -> None:
         super().__init__()
         self.maps = dict(maps)
 
@@ -68,12 +68,12 @@ class GatedFitPass(ir.passes.InPlacePass):
         for layer in sorted(self.maps):
             keep = ir.Value(name=f"{KEEP_INPUT}_{layer}", shape=ir.Shape([]), type=ir.TensorType(ir.DataType.BOOL))
             model.graph.inputs.append(keep)
-            fit_branch(model.graph, regions[layer], *self.maps[layer], keep=keep)
+            fit_branch(model.graph, regions[layer], self.maps[layer], keep=keep)
         return ir.passes.PassResult(model, modified=bool(self.maps))
 
 
 class GatedMixedPass(ir.passes.InPlacePass):
-    """Give each attention layer of `maps` (layer -> (W, b)) keep, alpha and fit inputs: its attention, its V·O
+    """Give each attention layer of `maps` (layer -> FittedMap) keep, alpha and fit inputs: its attention, its V·O
     bypass at any alpha (mean-shifted where `means` has the layer) or its fitted map (module docstring).
 
     Raises:
@@ -81,7 +81,7 @@ class GatedMixedPass(ir.passes.InPlacePass):
             located.
     """
 
-    def __init__(self, maps: dict[int, tuple[np.ndarray, np.ndarray]],
+    def __init__(self, maps: dict[int, FittedMap],
                  means: dict[int, tuple[np.ndarray, np.ndarray]] | None = None) -> None:
         super().__init__()
         self.maps = dict(maps)
@@ -101,7 +101,7 @@ class GatedMixedPass(ir.passes.InPlacePass):
             bypass_attention(graph, region, layout, alpha, self.means.get(layer), keep=keep)
             unfitted = ir.node("Not", [fitted])
             graph.insert_before(region.add, [unfitted])
-            fit_branch(graph, region, *self.maps[layer], keep=unfitted.outputs[0])  # reads the gated bypass
+            fit_branch(graph, region, self.maps[layer], keep=unfitted.outputs[0])  # reads the gated bypass
         return ir.passes.PassResult(model, modified=bool(self.maps))
 
 

@@ -25,7 +25,7 @@ def tidy_passes() -> list[ir.passes.PassBase]:
 def move_passes(drops: list[tuple[str, int]] | None = None, *, fits: dict | None = None,
                 alphas: dict[int, float] | None = None, means: dict | None = None,
                 reason: str = "") -> list[ir.passes.PassBase]:
-    """Drops (kind, layer), fitted maps (layer -> (W, b)) and HARP bypasses (layer -> alpha; mean-shifted for the
+    """Drops (kind, layer), fitted maps (layer -> FittedMap) and HARP bypasses (layer -> alpha; mean-shifted for the
     layers in `means`, alphas folded into the V·O weights), then `tidy_passes`."""
     from onnxscript.rewriter import RewritePass
 

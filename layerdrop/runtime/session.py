@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import onnx_ir as ir
@@ -79,6 +80,20 @@ def make_session(
         print("layerdrop: CUDA is not usable here (onnxruntime-gpu and CUDA libraries needed); running on CPU",
               file=sys.stderr)
     return session
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How a command runs its graphs in ONNX Runtime: the provider ("cpu", "cuda" or "auto", see `make_session`),
+    intra-op threads (None: ONNX Runtime's default) and windows per run (`batch_size`)."""
+
+    provider: str = "cpu"
+    threads: int | None = None
+    batch_size: int = 1
+
+    def session(self, model: ir.Model | Path, *, folder: Path | None = None, **options) -> ort.InferenceSession:
+        """`make_session(model, folder=folder, ...)` with this provider and these threads; `options` as there."""
+        return make_session(model, folder=folder, provider=self.provider, threads=self.threads, **options)
 
 
 def active_provider(session: ort.InferenceSession) -> str:

@@ -21,13 +21,14 @@ from tqdm import tqdm
 from layerdrop.errors import LayerdropError
 from layerdrop.model_folder import copy_model
 from layerdrop.passes.cleanup import run_passes
+from layerdrop.passes.fit_attention import FittedMap
 from layerdrop.passes.gated_search import GatedBypassPass, GatedFitPass, GatedMixedPass, move_feeds
 from layerdrop.passes.graph_cuts import HIDDEN_INPUT, segment, suffix_to_logits
 from layerdrop.passes.moves import move_passes
 from layerdrop.passes.token_logprobs import TokenLogprobsPass
 from layerdrop.runtime.evaluate import perplexity
 from layerdrop.runtime.feeds import numpy_type, prefill_feed
-from layerdrop.runtime.session import make_session
+from layerdrop.runtime.session import RunOptions
 from layerdrop.search.measure import attention_entries, hidden_states_at
 
 ALPHA_GRID = tuple(round(0.1 * i, 1) for i in range(11))
@@ -37,22 +38,22 @@ class GatedSuffix:
     """Perplexities of move sets over a fixed pool of layers on fixed windows, without a graph per move set: one
     gated suffix session for the current start layer (rebuilt only when the start changes).
 
-    With `fits` (layer -> (W, b) for every pool layer), a moved layer is replaced by its map instead of bypassed
+    With `fits` (layer -> FittedMap for every pool layer), a moved layer is replaced by its map instead of bypassed
     (`GatedFitPass`; the alphas of the moves are then not read); with `fits` and `mixed`, a move is an alpha or
     `FIT`, so both kinds mix (`GatedMixedPass`, with `means`)."""
 
     def __init__(self, model: ir.Model, folder: Path, windows: np.ndarray, layers: list[int],
-                 means: dict[int, tuple[np.ndarray, np.ndarray]] | None = None, *, batch_size: int = 1,
-                 fits: dict[int, tuple[np.ndarray, np.ndarray]] | None = None, mixed: bool = False,
-                 **session_args) -> None:
+                 means: dict[int, tuple[np.ndarray, np.ndarray]] | None = None, *,
+                 fits: dict[int, FittedMap] | None = None, mixed: bool = False,
+                 options: RunOptions = RunOptions()) -> None:
         self.model, self.folder, self.windows, self.layers = model, folder, windows, sorted(layers)
-        self.means, self.fits, self.batch_size, self.session_args = means, fits, batch_size, session_args
+        self.means, self.fits, self.options = means, fits, options
         self.mixed = mixed and fits is not None
         self.entries = attention_entries(model)
         unknown = sorted(set(self.layers) - set(self.entries))
         if unknown:
             raise LayerdropError(f"layers {unknown} have no attention to search")
-        self.hidden = hidden_states_at(model, folder, windows, self.layers, **session_args)
+        self.hidden = hidden_states_at(model, folder, windows, self.layers, options)
         self.start: tuple | None = None  # (start layer, fixed moves) of the session
         self.session = None
         self._entered: tuple | None = None  # (layer and moves below it, the state they leave there)
@@ -83,7 +84,7 @@ class GatedSuffix:
             self.session = None  # free the old graph's weights before building the next
             graph = suffix_to_logits(self._gated(start, fixed), self.entries[start])
             TokenLogprobsPass()(graph)  # perplexity from ONNX Runtime's log-softmax, not numpy's
-            self.start, self.session = key, make_session(graph, folder=self.folder, **self.session_args)
+            self.start, self.session = key, self.options.session(graph, folder=self.folder)
         return self.session
 
     def entering(self, below: dict[int, float | str], layer: int) -> np.ndarray:
@@ -96,11 +97,12 @@ class GatedSuffix:
             self._entered = None
             low = min(below)
             graph = segment(self._gated(low), self.entries[low], [self.entries[layer]])
-            session = make_session(graph, folder=self.folder, **self.session_args)
+            session = self.options.session(graph, folder=self.folder)
             feeds = self._move_feeds(session, [k for k in self.layers if low <= k < layer], below)
             parts = []
-            for start in range(0, len(self.windows), self.batch_size):
-                rows = slice(start, start + self.batch_size)
+            batch = self.options.batch_size
+            for start in range(0, len(self.windows), batch):
+                rows = slice(start, start + batch)
                 extra = {**feeds, HIDDEN_INPUT: self.hidden[low][rows]}
                 parts += session.run([self.entries[layer]], prefill_feed(session, self.windows[rows], extra=extra))
             self._entered = (key, np.concatenate(parts))
@@ -132,7 +134,7 @@ class GatedSuffix:
             raise LayerdropError(f"fixed moves {sorted(fixed)} are not all above the start layer {start} and unmoved")
         session, states = self._session(start, fixed), self.entering(below, start)
         extra = self._move_feeds(session, [k for k in self.layers if k >= start and k not in fixed], moves)
-        return perplexity(session, self.windows, batch_size=self.batch_size,
+        return perplexity(session, self.windows, batch_size=self.options.batch_size,
                           feed_extra=lambda rows: {**extra, HIDDEN_INPUT: states[rows]}).perplexity
 
 
@@ -151,7 +153,7 @@ class SearchResult:
 
 def greedy_alpha_search(model: ir.Model, folder: Path, windows: np.ndarray, layers: list[int], *,
                         grid: tuple[float, ...] = ALPHA_GRID, progress: bool = True, cache: dict | None = None,
-                        **session_args) -> SearchResult:
+                        options: RunOptions = RunOptions()) -> SearchResult:
     """Choose an alpha for each of `layers` in the order given (top-down for HARP) by perplexity on `windows`:
     while a layer is searched, the ones before it keep their chosen alphas and the rest keep their attention.
 
@@ -159,7 +161,7 @@ def greedy_alpha_search(model: ir.Model, folder: Path, windows: np.ndarray, laye
     measure a move set twice (HARP's and a score-selected search share their first sweeps when both start at
     the top layers)."""
     result = SearchResult()
-    suffix = GatedSuffix(model, folder, windows, list(layers), **session_args)
+    suffix = GatedSuffix(model, folder, windows, list(layers), options=options)
     cache = {} if cache is None else cache
     bar = tqdm(total=len(layers) * len(grid), desc="alpha search", unit="try", disable=not progress, leave=False)
     for layer in layers:

@@ -30,7 +30,7 @@ from layerdrop.passes.replace_blocks import ReplaceBlocksPass
 from layerdrop.passes.token_logprobs import TokenLogprobsPass
 from layerdrop.runtime.evaluate import perplexity
 from layerdrop.runtime.feeds import prefill_feed
-from layerdrop.runtime.session import make_session
+from layerdrop.runtime.session import RunOptions
 from layerdrop.search.fit import RIDGES
 from layerdrop.search.measure import attention_entries, hidden_states_at
 from layerdrop.windows import Windows
@@ -44,8 +44,8 @@ def block_outputs(model: ir.Model) -> dict[int, str]:
     return outputs
 
 
-def replaceme_starts(model: ir.Model, folder: Path, windows: Windows, counts: list[int], **session_args
-                     ) -> dict[int, tuple[int, dict]]:
+def replaceme_starts(model: ir.Model, folder: Path, windows: Windows, counts: list[int],
+                     options: RunOptions = RunOptions()) -> dict[int, tuple[int, dict]]:
     """ReplaceMe's selection for each of `counts`, from one run of the windows: count -> (the start i whose run
     i+1 .. i+count has the lowest mean 1 - cos(h_i, h_{i+count}), the distance of every candidate start).
 
@@ -59,7 +59,7 @@ def replaceme_starts(model: ir.Model, folder: Path, windows: Windows, counts: li
         if not found or count < 1:
             raise LayerdropError(f"no run of {count} blocks to replace: the model has {len(layers)} blocks")
     names = [outputs[i] for i in layers]
-    session = make_session(with_outputs(model, names), folder=folder, **session_args)
+    session = options.session(with_outputs(model, names), folder=folder)
     totals = {count: dict.fromkeys(found, 0.0) for count, found in starts.items()}
     tokens = 0
     for row, real in zip(windows.ids, windows.real):
@@ -79,8 +79,8 @@ def replaceme_starts(model: ir.Model, folder: Path, windows: Windows, counts: li
     return chosen
 
 
-def run_statistics(model: ir.Model, folder: Path, windows: Windows, runs: list[tuple[int, int]], **session_args
-                   ) -> dict[tuple[int, int], tuple[np.ndarray, np.ndarray, int]]:
+def run_statistics(model: ir.Model, folder: Path, windows: Windows, runs: list[tuple[int, int]],
+                   options: RunOptions = RunOptions()) -> dict[tuple[int, int], tuple[np.ndarray, np.ndarray, int]]:
     """For each run (start, count): (G = M^T M, C = M^T (h_{start+count} - h_start + M), tokens) over the windows'
     text tokens, float64, M being block start's MLP output; one run of the windows for all of them.
 
@@ -96,7 +96,7 @@ def run_statistics(model: ir.Model, folder: Path, windows: Windows, runs: list[t
             raise LayerdropError(f"cannot replace blocks {start + 1}..{start + count}: no such run after an MLP")
         wanted[start, count] = (mlp.branch_output.name, outputs[start], outputs[start + count])
     names = sorted({name for triple in wanted.values() for name in triple})
-    session = make_session(with_outputs(model, names), folder=folder, **session_args)
+    session = options.session(with_outputs(model, names), folder=folder)
     found = dict.fromkeys(wanted, (0.0, 0.0, 0))
     for row, real in zip(windows.ids, windows.real):
         states = dict(zip(names, session.run(names, prefill_feed(session, row[None]))))
@@ -136,19 +136,19 @@ class BlockFit:
 
 
 def replaceme(model: ir.Model, folder: Path, windows: Windows, count: int, *, validation: np.ndarray | None = None,
-              ridges: tuple[float, ...] = RIDGES, batch_size: int = 1, **session_args) -> BlockFit:
+              ridges: tuple[float, ...] = RIDGES, options: RunOptions = RunOptions()) -> BlockFit:
     """ReplaceMe on `model`: its selection and its fit, the ridge chosen on `validation`.
 
     Raises:
         LayerdropError: no such run, or fewer calibration tokens than the hidden size.
     """
     return replaceme_runs(model, folder, windows, [count], validation=validation, ridges=ridges,
-                          batch_size=batch_size, **session_args)[count]
+                          options=options)[count]
 
 
 def replaceme_runs(model: ir.Model, folder: Path, windows: Windows, counts: list[int], *,
-                   validation: np.ndarray | None = None, ridges: tuple[float, ...] = RIDGES, batch_size: int = 1,
-                   **session_args) -> dict[int, BlockFit]:
+                   validation: np.ndarray | None = None, ridges: tuple[float, ...] = RIDGES,
+                   options: RunOptions = RunOptions()) -> dict[int, BlockFit]:
     """`replaceme` for several run lengths (count -> its fitted run), each with its own selection: the windows run
     once for all the selections and once for all the fits' statistics. Every ridge's validation perplexity runs from
     the hidden state entering its run's first kept block (the unmodified model's, computed once for every run), since
@@ -158,18 +158,18 @@ def replaceme_runs(model: ir.Model, folder: Path, windows: Windows, counts: list
         LayerdropError: no such run, or fewer calibration tokens than the hidden size.
     """
     counts = sorted(set(counts))
-    starts = replaceme_starts(model, folder, windows, counts, **session_args)
-    statistics = run_statistics(model, folder, windows, [(starts[n][0], n) for n in counts], **session_args)
+    starts = replaceme_starts(model, folder, windows, counts, options)
+    statistics = run_statistics(model, folder, windows, [(starts[n][0], n) for n in counts], options)
     entering = {}
     if validation is not None:
-        entering = hidden_states_at(model, folder, validation, sorted({starts[n][0] for n in counts}), **session_args)
+        entering = hidden_states_at(model, folder, validation, sorted({starts[n][0] for n in counts}), options)
     return {n: _fitted(model, folder, starts[n][0], n, statistics[starts[n][0], n], starts[n][1], validation,
-                       entering.get(starts[n][0]), ridges, batch_size, session_args) for n in counts}
+                       entering.get(starts[n][0]), ridges, options) for n in counts}
 
 
 def _fitted(model: ir.Model, folder: Path, start: int, count: int, statistics: tuple, distances: dict,
-            validation: np.ndarray | None, entering: np.ndarray | None, ridges: tuple[float, ...], batch_size: int,
-            session_args: dict) -> BlockFit:
+            validation: np.ndarray | None, entering: np.ndarray | None, ridges: tuple[float, ...],
+            options: RunOptions) -> BlockFit:
     """The run's transform for each ridge, the one with the lowest perplexity on `validation` kept (the middle
     ridge without); each perplexity from the graph after block `start`'s entry, fed `entering` (the hidden state
     there for every validation window).
@@ -191,8 +191,8 @@ def _fitted(model: ir.Model, folder: Path, start: int, count: int, statistics: t
         for ridge, transform in candidates.items():
             graph = suffix_to_logits(with_replaced_run(model, start, count, transform), entries[start])
             TokenLogprobsPass()(graph)
-            session = make_session(graph, folder=folder, **session_args)
-            scores[ridge] = perplexity(session, validation, batch_size=batch_size,
+            session = options.session(graph, folder=folder)
+            scores[ridge] = perplexity(session, validation, batch_size=options.batch_size,
                                        feed_extra=lambda rows: {HIDDEN_INPUT: entering[rows]}).perplexity
             trials.append({"ridge": ridge, "perplexity": scores[ridge]})
         chosen = min(scores, key=lambda r: (scores[r], -r))

@@ -29,10 +29,11 @@ from layerdrop.errors import LayerdropError, TooFewTokens
 from layerdrop.model_folder import copy_model
 from layerdrop.passes.cleanup import run_passes
 from layerdrop.passes.find_residuals import annotated_regions
+from layerdrop.passes.fit_attention import FittedMap
 from layerdrop.passes.graph_cuts import HIDDEN_INPUT, segment, with_outputs
 from layerdrop.passes.moves import move_passes
 from layerdrop.runtime.feeds import prefill_feed
-from layerdrop.runtime.session import make_session
+from layerdrop.runtime.session import RunOptions
 from layerdrop.search.measure import attention_entries
 from layerdrop.windows import Windows
 
@@ -105,9 +106,10 @@ def _statistics(session, streams: list[_Stream], pairs: list[tuple[str, str]], b
     return [list(per_pair) for per_pair in zip(*found)]
 
 
-def _choose(result: Fit, layer: int, stats: list[tuple], ridges: tuple[float, ...]) -> None:
+def _choose(result: Fit, layer: int, stats: list[tuple], ridges: tuple[float, ...], previous: bool = False) -> None:
     """Solve one layer's map from its statistics (calibration first, then validation, if any) for every ridge and
-    keep the one with the least validation error (the middle ridge without validation) in `result`.
+    keep the one with the least validation error (the middle ridge without validation) in `result` (a map that
+    reads the previous token with `previous`: the statistics are of `with_previous` states).
 
     Raises:
         TooFewTokens: fewer calibration tokens than the hidden size + 1.
@@ -124,7 +126,7 @@ def _choose(result: Fit, layer: int, stats: list[tuple], ridges: tuple[float, ..
                   for ridge, found in candidates.items()}
         result.trials += [{"layer": layer, "ridge": ridge, "error": error} for ridge, error in errors.items()]
         chosen = min(errors, key=lambda r: (errors[r], -r))  # on a tie, the stronger ridge
-    result.maps[layer], result.ridges[layer] = candidates[chosen], chosen
+    result.maps[layer], result.ridges[layer] = FittedMap(*candidates[chosen], previous=previous), chosen
 
 
 def _climb(session, streams: list[_Stream], target: str, batch_size: int) -> None:
@@ -134,7 +136,7 @@ def _climb(session, streams: list[_Stream], target: str, batch_size: int) -> Non
         stream.hidden = np.concatenate([outputs[0] for _, outputs in _run(session, stream, [target], batch_size)])
 
 
-def _with_maps(model: ir.Model, maps: dict[int, tuple[np.ndarray, np.ndarray]]) -> ir.Model:
+def _with_maps(model: ir.Model, maps: dict[int, FittedMap]) -> ir.Model:
     """A copy of `model` with `maps` in place of those layers' attention (their caches gone), annotated again."""
     copy = copy_model(model)
     run_passes(copy, move_passes(fits=maps, reason="fit"))
@@ -143,16 +145,16 @@ def _with_maps(model: ir.Model, maps: dict[int, tuple[np.ndarray, np.ndarray]]) 
 
 @dataclass
 class Fit:
-    """Fitted maps (layer -> (W, b)), each layer's chosen ridge, and every validation perplexity tried."""
+    """Fitted maps (layer -> FittedMap), each layer's chosen ridge, and every validation perplexity tried."""
 
-    maps: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    maps: dict[int, FittedMap] = field(default_factory=dict)
     ridges: dict[int, float] = field(default_factory=dict)
     trials: list[dict] = field(default_factory=list)
 
 
 def fit_attention(model: ir.Model, folder: Path, windows: Windows, layers: list[int], *,
                   validation: Windows | np.ndarray | None = None, ridges: tuple[float, ...] = RIDGES,
-                  batch_size: int = 1, progress: bool = False, previous: bool = False, **session_args) -> Fit:
+                  options: RunOptions = RunOptions(), progress: bool = False, previous: bool = False) -> Fit:
     """Fit a linear map in place of the attention of each of `layers`, bottom-up (module docstring).
 
     With `validation` windows, each layer's ridge is the one of `ridges` whose map has the lowest squared error on
@@ -169,20 +171,20 @@ def fit_attention(model: ir.Model, folder: Path, windows: Windows, layers: list[
         return result
     streams = _streams(model, windows, layers, validation)
     entering = attention_entries(model)[layers[0]]  # the state entering the lowest layer: the unmodified model's
-    _climb(make_session(with_outputs(model, [entering]), folder=folder, **session_args), streams, entering, batch_size)
+    batch_size = options.batch_size
+    _climb(options.session(with_outputs(model, [entering]), folder=folder), streams, entering, batch_size)
     bar = tqdm(total=len(layers), desc="fit", unit="layer", disable=not progress, leave=False)
     current = model  # the model with the maps fitted so far
     for index, layer in enumerate(layers):
         bar.set_postfix(layer=layer)
         entry = attention_entries(current)[layer]
         pair = _pair(current, layer)
-        session = make_session(segment(current, entry, list(pair)), folder=folder, **session_args)
-        _choose(result, layer, _statistics(session, streams, [pair], batch_size, previous)[0], ridges)
+        session = options.session(segment(current, entry, list(pair)), folder=folder)
+        _choose(result, layer, _statistics(session, streams, [pair], batch_size, previous)[0], ridges, previous)
         if index + 1 < len(layers):  # up to the next layer, through this layer's map
             current = _with_maps(model, result.maps)
             target = attention_entries(current)[layers[index + 1]]
-            _climb(make_session(segment(current, entry, [target]), folder=folder, **session_args), streams, target,
-                   batch_size)
+            _climb(options.session(segment(current, entry, [target]), folder=folder), streams, target, batch_size)
         bar.update()
     bar.close()
     return result
@@ -190,7 +192,7 @@ def fit_attention(model: ir.Model, folder: Path, windows: Windows, layers: list[
 
 def solo_fits(model: ir.Model, folder: Path, windows: Windows, layers: list[int], *,
               validation: Windows | np.ndarray | None = None, ridges: tuple[float, ...] = RIDGES,
-              batch_size: int = 1, previous: bool = False, **session_args) -> Fit:
+              options: RunOptions = RunOptions(), previous: bool = False) -> Fit:
     """A map for each of `layers` fitted alone, on the unmodified model's states (one run for all of them): the
     maps a search tries one layer at a time. Ridges and `previous` as in `fit_attention`.
 
@@ -200,10 +202,9 @@ def solo_fits(model: ir.Model, folder: Path, windows: Windows, layers: list[int]
     result = Fit()
     streams = _streams(model, windows, layers, validation)
     pairs = [_pair(model, layer) for layer in sorted(layers)]
-    session = make_session(with_outputs(model, [name for pair in pairs for name in pair]), folder=folder,
-                           **session_args)
-    for layer, stats in zip(sorted(layers), _statistics(session, streams, pairs, batch_size, previous)):
-        _choose(result, layer, stats, ridges)
+    session = options.session(with_outputs(model, [name for pair in pairs for name in pair]), folder=folder)
+    for layer, stats in zip(sorted(layers), _statistics(session, streams, pairs, options.batch_size, previous)):
+        _choose(result, layer, stats, ridges, previous)
     return result
 
 

@@ -17,12 +17,12 @@ from layerdrop.passes.unfuse_skip_norm import UnfuseSkipNormPass
 from layerdrop.runtime.bench import node_times
 from layerdrop.runtime.feeds import prefill_feed
 from layerdrop.runtime.scoring import ModuleScore, run_scores
-from layerdrop.runtime.session import make_session
+from layerdrop.runtime.session import RunOptions
 from layerdrop.windows import Windows
 
 
-def compute_scores(model: ir.Model, folder: Path, windows: Windows, *, batch_size: int = 1, provider: str = "cpu",
-                   threads: int | None = None, progress: bool = True) -> list[ModuleScore]:
+def compute_scores(model: ir.Model, folder: Path, windows: Windows, *, options: RunOptions = RunOptions(),
+                   progress: bool = True) -> list[ModuleScore]:
     """Score every attention, MLP and block module of `model` (annotated, not modified) on `windows` in ONNX
     Runtime; its external weights are read from `folder`.
 
@@ -30,8 +30,8 @@ def compute_scores(model: ir.Model, folder: Path, windows: Windows, *, batch_siz
         One ModuleScore per module, sorted by layer, then attn, mlp, block.
     """
     calib, rows = calibration_model(model)
-    session = make_session(calib, folder=folder, provider=provider, threads=threads)
-    return run_scores(session, rows, windows, batch_size=batch_size, progress=progress)
+    session = options.session(calib, folder=folder)
+    return run_scores(session, rows, windows, batch_size=options.batch_size, progress=progress)
 
 
 def attention_entries(model: ir.Model) -> dict[int, str]:
@@ -39,12 +39,12 @@ def attention_entries(model: ir.Model) -> dict[int, str]:
     return {r.layer: r.skip.name for r in annotated_regions(model) if r.kind == "attn"}
 
 
-def hidden_states_at(model: ir.Model, folder: Path, windows: np.ndarray, layers: list[int], **session_args
-                     ) -> dict[int, np.ndarray]:
+def hidden_states_at(model: ir.Model, folder: Path, windows: np.ndarray, layers: list[int],
+                     options: RunOptions = RunOptions()) -> dict[int, np.ndarray]:
     """The hidden state entering each layer's attention, for every window: {layer: [n, seq, d]}."""
     entries = attention_entries(model)
     names = [entries[layer] for layer in layers]
-    session = make_session(with_outputs(model, names), folder=folder, **session_args)
+    session = options.session(with_outputs(model, names), folder=folder)
     unique = list(dict.fromkeys(names))
     parts: dict[str, list[np.ndarray]] = {name: [] for name in unique}
     for row in windows:
@@ -53,8 +53,8 @@ def hidden_states_at(model: ir.Model, folder: Path, windows: np.ndarray, layers:
     return {layer: np.concatenate(parts[name]) for layer, name in zip(layers, names)}
 
 
-def branch_means(model: ir.Model, folder: Path, windows: Windows, layers: list[int], **session_args
-                 ) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+def branch_means(model: ir.Model, folder: Path, windows: Windows, layers: list[int],
+                 options: RunOptions = RunOptions()) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """For each attention layer, the calibration means (float64, [d]) of its branch output, m_B, and of its
     unscaled V·O bypass P (alpha 1), m_P, both on the unmodified model's hidden states (the mean shift's
     constants, see `HarpBypassPass`), over the windows' text tokens (a BOS is left out).
@@ -65,9 +65,9 @@ def branch_means(model: ir.Model, folder: Path, windows: Windows, layers: list[i
     layers = sorted(layers)
     regions = {r.layer: r for r in annotated_regions(model) if r.kind == "attn"}
     taps = [name for layer in layers for name in (regions[layer].skip.name, regions[layer].branch_output.name)]
-    first = make_session(with_outputs(model, taps), folder=folder, **session_args)
+    first = options.session(with_outputs(model, taps), folder=folder)
     bypassed, names = bypass_taps(model, layers)
-    second = make_session(bypassed, folder=folder, **session_args)
+    second = options.session(bypassed, folder=folder)
     sums = {layer: [0.0, 0.0] for layer in layers}
     for row, real in zip(windows.ids, windows.real):
         arrays = dict(zip(taps, first.run(taps, prefill_feed(first, row[None]))))
@@ -81,16 +81,18 @@ def branch_means(model: ir.Model, folder: Path, windows: Windows, layers: list[i
     return {layer: (pair[0] / tokens, pair[1] / tokens) for layer, pair in sums.items()}
 
 
-def branch_ideal(folder: Path, attention_layers: list[int], seq: int, **session_args) -> dict:
+def branch_ideal(folder: Path, attention_layers: list[int], seq: int, options: RunOptions = RunOptions(),
+                 runs: int = 3) -> dict:
     """The profile-based ideal speedup of removing the attention branches of `attention_layers` from the graph in
     `folder` (see `module_ideal`)."""
-    return module_ideal(folder, {("attn", layer) for layer in attention_layers}, seq, **session_args)
+    return module_ideal(folder, {("attn", layer) for layer in attention_layers}, seq, options, runs)
 
 
-def module_ideal(folder: Path, modules: set[tuple[str, int]], seq: int, **session_args) -> dict:
+def module_ideal(folder: Path, modules: set[tuple[str, int]], seq: int, options: RunOptions = RunOptions(),
+                 runs: int = 3) -> dict:
     """The profile-based ideal speedup of removing the branches `modules` ((kind, layer), kind attn or mlp) from
     the graph in `folder`: its node time over its node time minus those branches' (ONNX Runtime profile at `seq`
-    tokens).
+    tokens, `runs` profiled prefills).
 
     Unlike a comparison of node names, this holds for fused graphs, whose fused nodes are renumbered on every
     rewrite: the branches are found in the graph itself (skip-norms split for the analysis only; their time, a
@@ -99,7 +101,7 @@ def module_ideal(folder: Path, modules: set[tuple[str, int]], seq: int, **sessio
     """
     _, model = load(folder)
     run_passes(model, [UnfuseSkipNormPass(), FindResidualsPass()])
-    times = node_times(folder, seq, **session_args)
+    times = node_times(folder, seq, runs=runs, provider=options.provider, threads=options.threads)
     removed = sum(times.get(node.name, 0.0) for region in annotated_regions(model)
                   if (region.kind, region.layer) in modules for node in region.branch)
     total = sum(times.values())

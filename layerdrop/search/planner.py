@@ -38,6 +38,7 @@ import onnx_ir as ir
 from tqdm import tqdm
 
 from layerdrop.passes.gated_search import FIT
+from layerdrop.runtime.session import RunOptions
 from layerdrop.search.alpha_search import ALPHA_GRID, GatedSuffix, best_alpha, greedy_alpha_search
 from layerdrop.search.fit import Fit
 from layerdrop.search.selection import lowest_layers
@@ -60,8 +61,9 @@ class _Evaluator:
     showing the best so far."""
 
     def __init__(self, model: ir.Model, folder: Path, windows: np.ndarray, layers: list[int], progress: bool,
-                 means: dict | None, grid: tuple[float, ...], session_args: dict) -> None:
-        self.suffix = GatedSuffix(model, folder, windows, layers, means, **session_args)
+                 means: dict | None, grid: tuple[float, ...], options: RunOptions, fits: dict | None = None,
+                 mixed: bool = False) -> None:
+        self.suffix = GatedSuffix(model, folder, windows, layers, means, fits=fits, mixed=mixed, options=options)
         self.grid = grid
         self.start: int | None = None  # None: from the lowest moved layer
         self.bar = tqdm(desc="plan", unit="eval", disable=not progress, leave=False)
@@ -110,7 +112,7 @@ def plan_attention(
     means: dict[int, tuple[np.ndarray, np.ndarray]] | None = None,
     grid: tuple[float, ...] = ALPHA_GRID,
     progress: bool = True,
-    **session_args,
+    options: RunOptions = RunOptions(),
 ) -> Plan:
     """Choose `budget` attention layers and their alphas (see module docstring).
 
@@ -121,7 +123,7 @@ def plan_attention(
         grid: the alphas a layer may take (0 = drop; the moves `--moves` allows).
     """
     pool = candidate_pool(scores, budget, extra)
-    evaluate = _Evaluator(model, folder, windows, pool, progress, means, grid, session_args)
+    evaluate = _Evaluator(model, folder, windows, pool, progress, means, grid, options)
     log: list[dict] = []
 
     solo: dict[int, float] = {}
@@ -147,7 +149,7 @@ def plan_attention(
 def plan_fits(model: ir.Model, folder: Path, windows: np.ndarray, scores: dict[int, float], budget: int, *,
               solo: Fit, extra: int = 4, progress: bool = True, grid: tuple[float, ...] = (),
               means: dict[int, tuple[np.ndarray, np.ndarray]] | None = None, more: int = 0,
-              **session_args) -> Plan:
+              options: RunOptions = RunOptions()) -> Plan:
     """Choose `budget` attention layers to replace by fitted maps (see module docstring): each pool layer's map
     (`solo`: fitted alone, for every pool layer, see `search.fit.solo_fits`) measured alone, then added greedily;
     with a `grid` of alphas (the bypass and drop moves allowed; `means` of the pool layers for the shift), each
@@ -159,7 +161,7 @@ def plan_fits(model: ir.Model, folder: Path, windows: np.ndarray, scores: dict[i
         the greedy order (`order`: `budget` + `more` layers).
     """
     pool = candidate_pool(scores, budget, extra)
-    evaluate = _Evaluator(model, folder, windows, pool, progress, None, (), {**session_args, "fits": solo.maps})
+    evaluate = _Evaluator(model, folder, windows, pool, progress, None, (), options, fits=solo.maps)
     log: list[dict] = []
     alone = {}
     for layer in pool:
@@ -177,8 +179,8 @@ def plan_fits(model: ir.Model, folder: Path, windows: np.ndarray, scores: dict[i
     moves: dict[int, float | str] = dict.fromkeys(chosen, FIT)
     if grid:
         layers = sorted(chosen)
-        mixed = _Evaluator(model, folder, windows, layers, progress, means, grid,
-                           {**session_args, "fits": {k: solo.maps[k] for k in layers}, "mixed": True})
+        mixed = _Evaluator(model, folder, windows, layers, progress, means, grid, options,
+                           fits={k: solo.maps[k] for k in layers}, mixed=True)
         for layer in reversed(layers):
             sweep = mixed.unimodal_sweep({k: v for k, v in moves.items() if k != layer}, layer)
             best = best_alpha(sweep)
@@ -219,8 +221,8 @@ def _lazy_greedy(evaluate: _Evaluator, moves: dict[int, float], alone: dict[int,
 
 
 def bypass_search(model: ir.Model, folder: Path, windows: np.ndarray, layers: list[int], *, progress: bool = True,
-                  cache: dict | None = None, **session_args) -> dict[int, float]:
+                  cache: dict | None = None, options: RunOptions = RunOptions()) -> dict[int, float]:
     """Greedy top-down alphas for a fixed set of layers (HARP's search on any layers); `cache` as in
     `greedy_alpha_search`."""
     return greedy_alpha_search(model, folder, windows, sorted(layers, reverse=True), progress=progress,
-                               cache=cache, **session_args).alphas
+                               cache=cache, options=options).alphas

@@ -20,6 +20,7 @@ from layerdrop.passes.cleanup import run_passes
 from layerdrop.passes.drop_branches import DropBranchesPass
 from layerdrop.passes.find_residuals import annotated_regions
 from layerdrop.passes.moves import move_passes, tidy_passes
+from layerdrop.runtime.session import RunOptions
 from layerdrop.search.measure import compute_scores
 from layerdrop.windows import Windows
 
@@ -66,18 +67,29 @@ def selection_kinds(counts: dict[str, int]) -> list[tuple[tuple[str, ...], int]]
 
 
 def drop_iteratively(model: ir.Model, folder: Path, windows: Windows, kinds: tuple[str, ...], count: int,
-                     provider: str = "cpu", threads: int | None = None, progress: bool = True) -> None:
+                     options: RunOptions = RunOptions(), progress: bool = True) -> None:
     """Drop the lowest-scored module, re-score the pruned graph, repeat `count` times (SPEC §3, iterative)."""
     label = "joint" if len(kinds) > 1 else kinds[0]
     for step in range(count):
-        scores = compute_scores(model, folder, windows, provider=provider, threads=threads, progress=progress)
+        scores = compute_scores(model, folder, windows, options=options, progress=progress)
         target = select_lowest([asdict(s) for s in scores], kinds, count - step)[:1]
         run_passes(model, [AttachScoresPass(scores, windows.source),
                            *move_passes(target, reason=f"{label}-{count} iterative step {step + 1}")])
 
 
-def parse_budget(text: str, attention_layers: int) -> tuple[str, float, int | None]:
-    """'attn=8' | 'kv=0.75' | 'blocks=4' | 'speedup=1.2' or 'speedup=1.2@1024' -> (kind, value, seq for speedup).
+@dataclass(frozen=True)
+class Budget:
+    """A budget as the user wrote it (`text`), its kind (attn, kv, blocks or speedup), its value, and for a speedup
+    the prefill length it names (`tokens`, None where it names none)."""
+
+    text: str
+    kind: str
+    value: float
+    tokens: int | None = None
+
+
+def parse_budget(text: str, attention_layers: int) -> Budget:
+    """'attn=8' | 'kv=0.75' | 'blocks=4' | 'speedup=1.2' or 'speedup=1.2@1024' -> the Budget.
 
     Raises:
         LayerdropError: an unknown or out-of-range budget.
@@ -100,17 +112,17 @@ def parse_budget(text: str, attention_layers: int) -> tuple[str, float, int | No
         raise LayerdropError(f"--budget kv={value} must be a fraction in [0, 1) of the KV cache to keep")
     if kind == "speedup" and not number > 1:
         raise LayerdropError(f"--budget speedup={value} must be above 1")
-    return kind, number, seq_len
+    return Budget(text, kind, number, seq_len)
 
 
-def attention_count_for(kind: str, value: float, meter: PrefillMeter | None, scores: dict[int, float]) -> int:
+def attention_count_for(budget: Budget, meter: PrefillMeter | None, scores: dict[int, float]) -> int:
     """How many attention layers a budget asks to remove or bypass (for a speedup: the fewest lowest-scored whose
     measured prefill reaches it)."""
-    if kind in ("attn", "blocks"):
-        return int(value)
-    if kind == "kv":
-        return max(1, math.ceil(len(scores) * (1 - value) - 1e-9))
-    return count_for_speedup(value, meter, scores, ("attn",))
+    if budget.kind in ("attn", "blocks"):
+        return int(budget.value)
+    if budget.kind == "kv":
+        return max(1, math.ceil(len(scores) * (1 - budget.value) - 1e-9))
+    return count_for_speedup(budget.value, meter, scores, ("attn",))
 
 
 def structure_key(model: ir.Model) -> str:
@@ -137,9 +149,10 @@ class PrefillMeter:
 
     For sizing (`speedup`), an attention layer becomes what the allowed moves leave of it: a `maps` d x d map (1: a
     fitted map's MatMul and Add, the cost of a folded V·O bypass too; 2: a map that also reads the previous token;
-    its values do not matter, so zeros) or nothing (0: a drop). ReplaceMe's transform is folded into a kept block's MLP, so a fitted run costs what dropping its
-    blocks does. `runs` runs a structure the sizing measures, `confirm_runs` (if more) the count it settles on;
-    `bar` (a tqdm bar) counts the measurements."""
+    its values do not matter, so zeros) or nothing (0: a drop). ReplaceMe's transform is folded into a kept
+    block's MLP, so a fitted run costs what dropping its blocks does. `runs` runs a structure the sizing
+    measures, `confirm_runs` (if more) the count it settles on; `bar` (a tqdm bar) counts the measurements; `options`
+    how the sessions run."""
 
     model: ir.Model
     folder: Path
@@ -147,8 +160,7 @@ class PrefillMeter:
     base: Any  # onnxruntime.InferenceSession of `model`
     runs: int = 5
     maps: int = 1
-    provider: str = "cpu"
-    threads: int | None = None
+    options: RunOptions = RunOptions()
     bar: Any = None
     confirm_runs: int = 0
     measured: dict = field(default_factory=dict)  # (blocks, attention) -> speedup, of the sizing's structures
@@ -208,9 +220,7 @@ class PrefillMeter:
         return self.pooled(key)[0]
 
     def _session(self, graph: ir.Model):
-        from layerdrop.runtime.session import make_session
-
-        return make_session(graph, folder=self.folder, provider=self.provider, threads=self.threads)
+        return self.options.session(graph, folder=self.folder)
 
     def savings(self) -> tuple[float, float]:
         """The share of prefill time one block's removal and one attention layer's replacement save, by least
@@ -225,7 +235,7 @@ class PrefillMeter:
     def structure(self, blocks: Iterable[int], attention: Iterable[int]) -> ir.Model:
         """A copy of the model with `blocks` dropped and `attention` replaced by zero maps (or dropped)."""
         from layerdrop.model_folder import copy_model
-        from layerdrop.passes.fit_attention import FitAttentionPass
+        from layerdrop.passes.fit_attention import FitAttentionPass, FittedMap
 
         copy = copy_model(self.model)
         attention = sorted(set(attention) - set(blocks))
@@ -237,7 +247,8 @@ class PrefillMeter:
             if not all(isinstance(d, int) for d in width.values()):
                 raise LayerdropError("a speedup budget needs the hidden size in the graph's shapes to time fitted "
                                      "maps; run the graph through onnx shape inference, or use --moves drop,blocks")
-            passes.append(FitAttentionPass({k: (np.zeros((self.maps * d, d), np.float32), np.zeros(d, np.float32))
+            passes.append(FitAttentionPass({k: FittedMap(np.zeros((self.maps * d, d), np.float32),
+                                                         np.zeros(d, np.float32), previous=self.maps == 2)
                                             for k, d in width.items()}, reason="sizing"))
         run_passes(copy, [*passes, *tidy_passes()])
         return copy

@@ -1,0 +1,325 @@
+"""`layerdrop plan`: for a budget, which attention layers or blocks go and how, compared with the papers' methods
+on the same windows.
+
+`budget` says what a budget asks of the rows, `texts` which windows they are chosen and measured on,
+`candidates` makes the moves (the papers' methods and the planner's searches: `search.planner`, `search.fit`,
+`search.blocks`), `measure` measures each as a row, `report` holds the rows and the pick, `resume` checkpoints every
+finished measurement so `--resume` goes on where a killed plan stopped."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from layerdrop import model_folder
+from layerdrop.api.common import (
+    DEFAULT_SAMPLES,
+    DEFAULT_SEQ_LEN,
+    int4_write_back,
+    open_model,
+    quantize_pass,
+    save_model,
+)
+from layerdrop.api.plan.budget import MOVES, RowCounts, allowed_moves, grid_of, parse_moves, row_counts
+from layerdrop.api.plan.candidates import (
+    Candidate,
+    Inputs,
+    block_candidates,
+    bypass_candidates,
+    fit_candidates,
+    fitted_runs,
+    mixed_candidates,
+    mixed_sizes,
+    paper_candidates,
+)
+from layerdrop.api.plan.measure import Measure, choose_prefix
+from layerdrop.api.plan.report import PlanResult, PlanRow, choose_pick
+from layerdrop.api.plan.resume import Checkpoints, folder_fingerprint, keeps_work, plan_work_area, window_ids
+from layerdrop.api.plan.texts import PlanWindows, Texts, fit_windows, plan_windows
+from layerdrop.api.score import score
+from layerdrop.checkpoints import CheckpointStore
+from layerdrop.errors import LayerdropError, TooFewTokens
+from layerdrop.formats import PLAN_KEY
+from layerdrop.passes.attach_scores import read_scores
+from layerdrop.passes.cleanup import run_passes
+from layerdrop.passes.find_residuals import annotated_regions
+from layerdrop.passes.metadata import write_json
+from layerdrop.runtime.session import RunOptions
+from layerdrop.search.planner import candidate_pool
+from layerdrop.search.selection import Budget, PrefillMeter, parse_budget
+from layerdrop.windows import Sampling
+
+__all__ = ["MOVES", "Candidate", "PlanResult", "PlanRow", "choose_pick", "parse_moves", "plan"]
+
+ACCURACY_ITEMS = 200  # multiple-choice items of the accuracy column
+SPEEDUP_TOKENS, SPEEDUP_RUNS = 1024, 5  # a speedup budget's prefill length (without one in it); timed runs a row
+SIZING_RUNS = 3  # timed runs of each structure measured to size a speedup budget's rows
+
+
+@keeps_work
+def plan(
+    model_path: Path,
+    out_dir: Path,
+    *,
+    budget: str,
+    calib: Path | None = None,
+    eval_text: Path | None = None,
+    search_text: Path | None = None,
+    samples: int = DEFAULT_SAMPLES,
+    search_samples: int = 16,
+    eval_samples: int = 32,
+    fit_samples: int = 64,
+    seq_len: int = DEFAULT_SEQ_LEN,
+    sampling: Sampling = Sampling(),
+    extra: int = 4,
+    moves: str | None = None,
+    shift: bool = True,
+    per_layer_moves: bool = False,
+    self_samples: int = 0,
+    fit_previous: bool = False,
+    options: RunOptions = RunOptions(),
+    force: bool = False,
+    progress: bool = True,
+    quantize: str | None = None,
+    keep_float: bool = False,
+    also_eval: list[Path] | None = None,
+    accuracy_items: int = ACCURACY_ITEMS,
+    speedup_tokens: int | None = None,
+    speedup_runs: int = SPEEDUP_RUNS,
+    resume: bool = False,
+) -> PlanResult:
+    """Plan the best set of moves for a budget, compare it with the papers' methods, and write the pick.
+
+    An attention or KV budget (`attn=N`, `kv=F`) takes the attention moves (drop, V·O bypass with a searched alpha,
+    the mean shift on those, a fitted linear map per layer), a `blocks=N` budget the block moves (ShortGPT's drop,
+    ReplaceMe's fitted run), a `speedup=X@T` budget any of them, its rows sized by measured prefill at T tokens;
+    `moves` narrows them (`budget.parse_moves`). With the fit move, the planner searches fits (with
+    `per_layer_moves`, each chosen layer's fit, drop or bypass; with `fit_previous`, maps that also read the
+    previous token); without it, drops and bypasses. Every choice is made on the search windows (of `search_text`,
+    or the search part of `calib`); every row is also measured on `eval_text` and each `also_eval` text, which no
+    choice sees, on `accuracy_items` multiple-choice items of the held-out text (lm-eval, 0: no column), and with
+    `speedup_runs` > 0 timed at `speedup_tokens` tokens. `self_samples` windows the model writes itself join every
+    fit's calibration windows. The pick is the row with the lowest search perplexity among those the allowed moves
+    make (under a speedup budget, among those that reach it in the table's timing). The written model is float
+    unless `quantize` (or an int4 source without `keep_float`) says otherwise.
+
+    Every finished measurement is checkpointed in the work folder `.NAME.plan-work` beside `out_dir`
+    (`resume.plan_work_area`), removed once the output is written; with `resume`, a rerun loads the checkpoints of
+    the same inputs and computes only the rest. A KeyboardInterrupt part way says how to resume.
+
+    Returns:
+        The `PlanResult` (its `to_dict()` is plan.json; its `notes` are for the user).
+
+    Raises:
+        LayerdropError: a bad budget, move word, model or text, or a work folder of an interrupted plan without
+            `resume` or `force`.
+    """
+    folder, model = open_model(model_path)
+    model_folder.reserve_output(Path(out_dir), inputs=[folder.path], force=force)
+    store = CheckpointStore.open(plan_work_area(out_dir), resume=resume, force=force)
+    saved = Checkpoints(store, folder_fingerprint(folder.path, folder.onnx_path))
+    attention = sorted(r.layer for r in annotated_regions(model) if r.kind == "attn")
+    if not attention:
+        raise LayerdropError("this graph has no attention regions; nothing to plan")
+    parsed = parse_budget(budget, len(attention))
+    allowed = allowed_moves(moves, parsed, shift=shift, per_layer_moves=per_layer_moves, self_samples=self_samples,
+                            fit_previous=fit_previous)
+    texts = Texts(calib, eval_text, search_text, tuple(also_eval or ()), samples, search_samples, eval_samples,
+                  fit_samples, seq_len, sampling, accuracy_items, self_samples)
+    started = time.perf_counter()
+    notes: list[str] = []  # for the user; those of rows left out also go into the report's `skipped`
+    windows = plan_windows(folder.path, texts, notes)
+    rows = read_scores(model) or saved.cached(
+        "scores", (windows.calib.source["sha256"], samples, seq_len, sampling, options.provider),
+        lambda: score(folder.path, None, calib=calib, samples=samples, seq_len=seq_len, sampling=sampling,
+                      provider=options.provider, threads=options.threads, progress=progress)["regions"])
+    inputs = Inputs(model, folder.path, {r["layer"]: r["score"] for r in rows if r["kind"] == "attn"},
+                    {r["layer"]: r["score"] for r in rows if r["kind"] == "block"}, windows.calib, windows.search,
+                    None, options, progress, [], fit_previous)
+    phase = _Phases(progress)
+    meter = _sizing_meter(inputs, parsed, allowed, speedup_runs, phase) if parsed.kind == "speedup" else None
+    counts = saved.cached("sizing", (parsed, inputs.scores, inputs.block_scores, allowed, extra, options,
+                                     speedup_runs, fit_previous),
+                          lambda: row_counts(parsed, meter, inputs.scores, inputs.block_scores, allowed, extra,
+                                             inputs.skipped), skipped=inputs.skipped, meter=meter)
+    if "fit" in allowed or counts.blocks:
+        inputs.fit = saved.cached("fit-windows", (window_ids(windows.calib), texts.samples, texts.fit_samples,
+                                                  texts.self_samples, sampling, options),
+                                  lambda: fit_windows(model, folder.path, texts, options, progress))
+    candidates, log, allowed = _candidates(inputs, attention, counts, allowed, extra, meter, parsed, phase,
+                                           per_layer_moves, moves is not None, saved)
+    if meter is not None:
+        meter.bar.close()
+    tokens = speedup_tokens or parsed.tokens or (SPEEDUP_TOKENS if parsed.kind == "speedup" else seq_len)
+    phase(f"measuring {len(candidates)} rows on the search and held-out windows"
+          + (f", and their prefill time at {tokens} tokens" if speedup_runs else ""))
+    if speedup_runs and (meter is None or meter.seq != tokens):  # else the sizing's runs are the rows' too
+        meter = PrefillMeter(model, folder.path, tokens, options.session(model, folder=folder.path), speedup_runs,
+                             options=options)
+    result = _measured(inputs, windows, candidates, allowed, len(attention), meter,
+                       (tokens, speedup_runs), parsed, counts, saved)
+    result.search_seconds = time.perf_counter() - started
+    result.planner_log = log
+    result.notes = [*notes, *result.skipped, *filter(None, [saved.summary()])]
+    write_json(model.metadata_props, PLAN_KEY, result.record())
+    chosen = next(c for c, row in zip(candidates, result.rows) if row is result.pick).applied_to(model)
+    # the comparison is measured in float; the written model is quantized
+    writes = [quantize_pass(quantize)] if quantize is not None else int4_write_back(model, keep_float)
+    chosen = run_passes(chosen, writes) if writes else chosen
+    save_model(chosen, out_dir, folder, force=force)
+    result.checkpoints = {"loaded": list(store.loaded), "computed": list(store.computed)}
+    store.remove()
+    return result
+
+
+def _sizing_meter(inputs: Inputs, budget: Budget, allowed: frozenset, speedup_runs: int, phase: _Phases
+                  ) -> PrefillMeter:
+    """The meter a speedup budget's sizing measures prefill with (its runs confirmed with the table's)."""
+    tokens = budget.tokens or SPEEDUP_TOKENS
+    phase.total = 2 + 2 * bool(allowed - {"blocks", "shift"}) + ("blocks" in allowed)  # until the sizing says
+    phase(f"sizing the rows: the fewest layers and blocks whose measured prefill at {tokens} tokens reaches "
+          f"{budget.value:g}x")
+    maps = (1 + inputs.previous) * bool(allowed & {"fit", "bypass"})
+    base = inputs.options.session(inputs.model, folder=inputs.folder)
+    return PrefillMeter(inputs.model, inputs.folder, tokens, base, min(speedup_runs or SIZING_RUNS, SIZING_RUNS),
+                        confirm_runs=speedup_runs, maps=maps, options=inputs.options,
+                        bar=tqdm(desc="sizing rows by measured prefill", unit="graph", disable=not inputs.progress,
+                                 leave=False))
+
+
+def _candidates(inputs: Inputs, attention: list[int], counts: RowCounts, allowed: frozenset, extra: int,
+                meter: PrefillMeter | None, budget: Budget, phase: _Phases, per_layer_moves: bool, named: bool,
+                saved: Checkpoints) -> tuple[list[Candidate], list[dict], frozenset]:
+    """Every candidate the budget's counts and the allowed moves make, the planner search's log, and the allowed
+    moves (less the fit where the windows cannot support one and the moves were not `named` by the user); each
+    phase's candidates are checkpointed in `saved`.
+
+    Raises:
+        TooFewTokens: the windows cannot support a fit the user asked for by name.
+    """
+    count, block_count = counts.attention, counts.blocks
+    grid = grid_of(allowed) if count else ()
+    fits_searched = bool(count) and "fit" in allowed
+    phase.total = phase.done + 1 + bool(count) + (fits_searched or bool(grid)) + bool(block_count)
+    candidates: list[Candidate] = []
+    planned = None
+    pool = len(candidate_pool(inputs.scores, count, extra)) if count else 0
+    # what each phase's candidates are made from: the scores, the windows it reads, how ONNX Runtime runs
+    scores, calib, search, fit = (inputs.scores, window_ids(inputs.calib), window_ids(inputs.search),
+                                  window_ids(inputs.fit))
+    shifted = "shift" in allowed
+    if count:
+        phase("the papers' methods: one-shot and iterative drop, HARP, score-selected bypass")
+        candidates += saved.cached("papers", (scores, calib, search, inputs.options, attention, count),
+                                   lambda: paper_candidates(inputs, attention, count))
+    if fits_searched:
+        phase(f"the planner's search over fits of the {pool} lowest-scored layers"
+              + (", then each chosen layer's fit, drop or bypass" if per_layer_moves else "")
+              + (f" (and on to {counts.matched}, the block rows' speed)" if counts.matched else "")
+              + ", then the chosen and the lowest-scored layers fitted bottom-up")
+        try:
+            fits_grid = grid if per_layer_moves else ()
+            planned, found = saved.cached(
+                "fits", (scores, fit, search, calib if fits_grid and shifted else None, inputs.options,
+                         inputs.previous, count, extra, fits_grid, shifted, counts.matched),
+                lambda: fit_candidates(inputs, count, extra, fits_grid, shifted, counts.matched))
+            candidates += found
+        except TooFewTokens as exc:
+            if named:  # asked for by name: the user must hear why it cannot be done
+                raise
+            inputs.skipped.append(f"fit rows left out: {exc}")
+            allowed -= {"fit"}
+            phase.total += bool(grid)  # the search over bypasses and drops instead
+    if grid and "fit" not in allowed:
+        phase(f"the planner's search over the {pool} lowest-scored layers")
+        planned, found = saved.cached("bypasses", (scores, search, calib if shifted else None, inputs.options,
+                                                   count, extra, grid, shifted),
+                                      lambda: bypass_candidates(inputs, count, extra, grid, shifted))
+        candidates += found
+    if block_count:
+        phase(f"block moves: ShortGPT's drop and ReplaceMe's fitted run of {block_count} blocks"
+              + (", and runs of fewer blocks with attention moves" if meter and allowed - {"blocks"} else ""))
+        sizes = mixed_sizes(block_count, allowed) if meter is not None else []
+        runs = saved.cached("block-runs", (fit, search, inputs.options, block_count, sizes),
+                            lambda: fitted_runs(inputs, [block_count, *sizes]), skipped=inputs.skipped)
+        candidates += block_candidates(inputs.block_scores, block_count, runs)
+        if runs:
+            candidates += saved.cached(
+                "mixed", (scores, fit, search, inputs.options, inputs.previous, budget.value, sizes, runs, allowed),
+                lambda: mixed_candidates(inputs, meter, budget.value, sizes, runs, allowed),
+                skipped=inputs.skipped, meter=meter)
+    return candidates, planned.log if planned is not None else [], allowed
+
+
+def _measured(inputs: Inputs, windows: PlanWindows, candidates: list[Candidate], allowed: frozenset, layers: int,
+              meter: PrefillMeter | None, speed: tuple[int, int], budget: Budget, counts: RowCounts,
+              saved: Checkpoints) -> PlanResult:
+    """Measure the baseline and every candidate (a progress bar with the baseline's and the best held-out
+    perplexity so far; `speed`: the rows' prefill tokens and timed runs, through `meter`) and pick the best allowed
+    one on the search windows; the plan's result, without its timing, log and notes. Each row is checkpointed in
+    `saved` (the baseline's with the hidden states it keeps for the other rows)."""
+    tokens, runs = speed
+    model, held_out, search = inputs.model, windows.held_out, windows.search
+    sets = held_out.sets(search)
+    prefix = choose_prefix(model, candidates, sum(len(w.ids) for w in sets.values()), search.ids.shape[1])
+    measure = Measure(model, inputs.folder, search, held_out, layers, inputs.options, meter, runs, prefix)
+    bar = tqdm(total=1 + len(candidates), desc="measuring rows", unit="row", disable=not inputs.progress,
+               leave=False)
+    base_session = meter.base if meter is not None else None
+    timed = meter if meter is not None and runs > 0 else None
+    measured_on = ({key: window_ids(w) for key, w in sets.items()}, held_out.items, layers, inputs.options, runs,
+                   tokens, prefix.entries)
+
+    def baseline() -> tuple[PlanRow, dict]:
+        return measure.row(Candidate("baseline"), session=base_session, timed=False), prefix.states
+
+    base, prefix.states = saved.cached("baseline", measured_on, baseline)
+    bar.set_postfix(baseline=f"{base.eval_ppl:.2f}")
+    bar.update()
+    table: list[PlanRow] = []
+    for candidate in candidates:
+        table.append(saved.cached("row", (measured_on, candidate), lambda c=candidate: measure.row(c), meter=timed))
+        best = min(table, key=lambda row: row.eval_ppl)
+        bar.set_postfix(baseline=f"{base.eval_ppl:.2f}", best_held_out=f"{best.eval_ppl:.2f}")
+        bar.update()
+    bar.close()
+    if held_out.items is not None:
+        for row in table:
+            row.compare_accuracy(base)
+    skipped = inputs.skipped
+    pick, short = choose_pick([row for row, c in zip(table, candidates) if c.moves <= allowed],
+                              budget.value if budget.kind == "speedup" and runs else None)
+    if short:
+        skipped.append(short)
+    fitted = any(c.fits is not None or c.run is not None for c in candidates)
+    count, block_count = counts.attention, counts.blocks
+    return PlanResult(
+        budget=budget.text, attention_layers=count if count is not None else block_count, block_count=block_count,
+        kv_fraction_kept=(layers - count) / layers if count is not None else pick.kv_kept, moves=sorted(allowed),
+        baseline=base, speedup_tokens=tokens if runs else None, rows=table, pick=pick,
+        search_seconds=0.0, search_text=search.source, eval_text=held_out.main.source,
+        also_eval_texts=[w.source for w in held_out.others],
+        accuracy_items=len(held_out.items) if held_out.items is not None else 0,
+        accuracy_task=held_out.items or [],
+        fit_text=inputs.fit.source if inputs.fit is not None and fitted else None,
+        fit_previous=any(m.previous for c in candidates for m in (c.fits or {}).values()),
+        skipped=skipped, **(meter.record() if meter is not None else {}))
+
+
+class _Phases:
+    """'layerdrop plan: [2/4] ... (95 s in)' on stderr as each phase starts (with progress on): the plan's progress
+    line."""
+
+    def __init__(self, progress: bool, total: int = 0) -> None:
+        self.progress, self.total, self.done = progress, total, 0
+        self.started = time.perf_counter()
+
+    def __call__(self, text: str) -> None:
+        self.done += 1
+        if self.progress:
+            elapsed = time.perf_counter() - self.started
+            print(f"layerdrop plan: [{self.done}/{self.total}] {text} ({elapsed:.0f} s in)", file=sys.stderr,
+                  flush=True)

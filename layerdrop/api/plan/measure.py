@@ -1,0 +1,159 @@
+"""Measuring a candidate: its perplexity on the search and held-out windows, its accuracy on the held-out items,
+its KV cache and its prefill speedup, as one `PlanRow`.
+
+The rows share the baseline's work where they can: the baseline keeps the hidden state entering a few attention
+layers from its own runs (`Prefix`), and a row whose lowest changed layer is at or above one of them runs from
+there (`passes.graph_cuts.suffix_to_logits`), since every layer below it computes what the baseline's does."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+
+from layerdrop.api.plan.candidates import Candidate
+from layerdrop.api.plan.report import PlanRow
+from layerdrop.api.plan.texts import HeldOut
+from layerdrop.formats import TOKEN_LOGPROBS
+from layerdrop.passes.find_residuals import annotated_regions
+from layerdrop.passes.graph_cuts import HIDDEN_INPUT, suffix_to_logits, with_outputs
+from layerdrop.passes.token_logprobs import TokenLogprobsPass, with_token_logprobs
+from layerdrop.runtime.evaluate import perplexity
+from layerdrop.runtime.session import RunOptions
+from layerdrop.search.measure import attention_entries
+from layerdrop.search.selection import PrefillMeter
+from layerdrop.windows import Windows
+
+PREFIX_BYTES = 512 * 2**20  # the baseline's hidden states kept for the measured rows' suffixes, at most
+
+
+@dataclass
+class Prefix:
+    """The baseline's hidden state entering some attention layers, for every measured window set (search,
+    held-out, other held-out texts), filled by the baseline row's own runs."""
+
+    entries: dict[int, str]  # kept layer -> the name of the value entering its attention
+    states: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)  # layer -> window set -> [n, seq, d]
+
+    def start(self, rewritten: ir.Model, candidate: Candidate) -> int | None:
+        """The highest kept layer at or below the candidate's lowest changed layer whose entry the `rewritten`
+        graph still has, or None (run the whole model)."""
+        lowest = candidate.lowest_changed()
+        if lowest is None or not self.states:
+            return None
+        names = {v.name for node in rewritten.graph for v in node.outputs}
+        return max((k for k in self.states if k <= lowest and self.entries[k] in names), default=None)
+
+
+def choose_prefix(model: ir.Model, candidates: list[Candidate], windows: int, seq: int) -> Prefix:
+    """Which layers' entering states to keep for the rows: chosen greedily by the layer runs they save (a row runs
+    from the highest kept layer at or below its lowest changed one), as many as `PREFIX_BYTES` holds for
+    `windows` windows of `seq` tokens."""
+    entries = attention_entries(model)
+    values = {v.name: v for node in model.graph for v in node.outputs}
+    shapes = [values[name].shape for name in entries.values() if name in values and values[name].shape]
+    width = shapes[0][-1] if shapes and isinstance(shapes[0][-1], int) else None
+    lowest = [k for k in (c.lowest_changed() for c in candidates) if k]
+    if width is None or not lowest:
+        return Prefix({})
+
+    def saved(layers: list[int]) -> int:
+        return sum(max((k for k in layers if k <= low), default=0) for low in lowest)
+
+    kept: list[int] = []
+    for _ in range(PREFIX_BYTES // (windows * seq * width * 4)):
+        best = max(sorted(set(lowest) - set(kept)), key=lambda k: saved([*kept, k]), default=None)
+        if best is None or saved([*kept, best]) == saved(kept):
+            break
+        kept.append(best)
+    return Prefix({k: entries[k] for k in kept if k in entries})
+
+
+@dataclass
+class Measure:
+    """How every row is measured: the annotated model and its folder, the search windows and what is held out, the
+    number of attention layers (for the share that keeps a KV cache), how ONNX Runtime runs, and (where the rows
+    are timed) the meter and the runs of each row's timing."""
+
+    model: ir.Model
+    folder: Path
+    search: Windows
+    held_out: HeldOut
+    layers: int
+    options: RunOptions
+    meter: PrefillMeter | None = None
+    runs: int = 0
+    prefix: Prefix | None = None
+
+    def row(self, candidate: Candidate, session=None, timed: bool = True) -> PlanRow:
+        """The candidate's row: its rewritten model's perplexity on the search and the held-out windows, its
+        accuracy on the held-out items, the share of attention layers that keep a KV cache, and (with a meter and
+        `timed`) its prefill speedup against the baseline's, runs alternating, pooled with the runs of any graph of
+        the same structure timed before (`search.selection.PrefillMeter.timed`).
+
+        Perplexities come from a session whose graph takes the log-softmax itself (`with_token_logprobs`);
+        accuracy and timings from one of the rewritten graph as it is written (`session`, or one built after the
+        first is freed). With a `prefix`, the baseline (a candidate without moves) keeps the hidden states it names
+        from its own runs, and a row whose lowest changed layer is at or above a kept one runs from there."""
+        rewritten = candidate.applied_to(self.model)
+        run = candidate.run
+        sets = self.held_out.sets(self.search)
+        ppl = self.perplexities(rewritten, candidate, sets)
+        row = PlanRow(
+            method=candidate.name, alphas={int(k): v for k, v in sorted(candidate.alphas.items())},
+            fits=sorted(candidate.fits or {}), shift=candidate.means is not None,
+            ridges={int(k): v for k, v in (candidate.ridges or {}).items()},
+            blocks=candidate.blocks or (list(range(run.start + 1, run.start + 1 + run.count)) if run else []),
+            replaced_into=run.start if run else None, run_ridge=run.ridge if run else None,
+            moves=sorted(candidate.moves),
+            kv_kept=sum(r.kind == "attn" for r in annotated_regions(rewritten)) / self.layers,
+            search_ppl=ppl["search"], eval_ppl=ppl["eval"])
+        if self.held_out.others:
+            row.also_eval_ppl = {w.source["file"]: ppl[key] for key, w in sets.items() if key.startswith("also")}
+        timed = timed and self.meter is not None and self.runs > 0
+        if self.held_out.items is not None:
+            if session is None:
+                session = self.options.session(rewritten, folder=self.folder)
+            scores = self.accuracy(rewritten, session)
+            row.accuracy, row.accuracy_correct = scores.accuracy, [int(c) for c in scores.correct]
+        if timed:
+            row.speedup, row.speedup_runs, row.structure = self.meter.timed(rewritten, self.runs, session)
+        return row
+
+    def perplexities(self, rewritten: ir.Model, candidate: Candidate, sets: dict[str, Windows]) -> dict[str, float]:
+        """The rewritten model's perplexity on each window set, from its lowest changed layer where the prefix keeps
+        the baseline's state there (the baseline fills the prefix from these runs); the session is freed on
+        return."""
+        prefix, batch = self.prefix, self.options.batch_size
+        start = prefix.start(rewritten, candidate) if prefix is not None else None
+        if start is not None:
+            graph = suffix_to_logits(rewritten, prefix.entries[start])
+            TokenLogprobsPass()(graph)
+            scoring = self.options.session(graph, folder=self.folder)
+            return {key: perplexity(scoring, w.ids, batch_size=batch,
+                                    feed_extra=lambda rows, key=key: {HIDDEN_INPUT: prefix.states[start][key][rows]}
+                                    ).perplexity for key, w in sets.items()}
+        keep = prefix is not None and candidate.lowest_changed() is None and bool(prefix.entries)
+        graph = with_token_logprobs(rewritten)
+        if keep:  # the baseline: its runs also return the states the rows will start from
+            graph = with_outputs(graph, [TOKEN_LOGPROBS, *prefix.entries.values()])
+        scoring = self.options.session(graph, folder=self.folder)
+        found = {}
+        for key, w in sets.items():
+            capture = {name: [] for name in prefix.entries.values()} if keep else None
+            found[key] = perplexity(scoring, w.ids, batch_size=batch, capture=capture).perplexity
+            for layer, name in (prefix.entries.items() if keep else ()):
+                prefix.states.setdefault(layer, {})[key] = np.concatenate(capture[name])
+        return found
+
+    def accuracy(self, rewritten: ir.Model, session):
+        """lm-eval's accuracy on the held-out items and each item's outcome (`runtime.tasks.ChoiceScores`), through
+        the `layerdrop` lm-eval model on the row's own session."""
+        from layerdrop.runtime.harness import LayerdropLM
+        from layerdrop.runtime.tasks import choice_scores
+
+        lm = LayerdropLM(path=str(self.folder), model=rewritten, session=session,
+                         batch_size=max(8, self.options.batch_size), progress=False)
+        return choice_scores(lm, self.held_out.items)
