@@ -9,7 +9,7 @@ from layerdrop import memory
 from layerdrop.errors import LayerdropError
 
 BUILDER_INT4 = ("onnxruntime-genai's model builder int4 graph of the Hugging Face folder (python -m "
-                "onnxruntime_genai.models.builder -i FOLDER -o OUT -p int4 -e cpu), which layerdrop's commands read")
+                "onnxruntime_genai.models.builder -i {folder} -o OUT -p int4 -e cpu), which layerdrop's commands read")
 
 
 def export(source: Path | None, out_dir: Path, *, kv_cache: bool = True, dtype: str = "float32", force: bool = False,
@@ -32,7 +32,7 @@ def export(source: Path | None, out_dir: Path, *, kv_cache: bool = True, dtype: 
     parameters = _parameters(weights) if weights is not None else None
     if parameters:
         guard_export(parameters, dtype, out_dir, memory.memory_limit(memory_limit),
-                     convert_into=weights.parent if converting else None)
+                     convert_into=weights.parent if converting else None, folder=weights if weights.is_dir() else None)
 
     from layerdrop.export.onnx_export import export_folder  # torch is imported only when a command exports
 
@@ -40,9 +40,11 @@ def export(source: Path | None, out_dir: Path, *, kv_cache: bool = True, dtype: 
                          trust_remote_code=trust_remote_code)
 
 
-def guard_export(parameters: int, dtype: str, out_dir: Path, limit: int, *, convert_into: Path | None = None) -> None:
+def guard_export(parameters: int, dtype: str, out_dir: Path, limit: int, *, convert_into: Path | None = None,
+                 folder: Path | None = None) -> None:
     """Refuse an export of `parameters` in `dtype` whose estimated peak memory is over `limit`, or whose files
     (plus a float32 conversion into `convert_into`, when it is first converted there) do not fit on the disk.
+    `folder`: the Hugging Face folder the refusal names for the builder's int4 graph, when there is one.
 
     Raises:
         LayerdropError: over the memory limit (naming what fits) or over the free disk.
@@ -52,7 +54,7 @@ def guard_export(parameters: int, dtype: str, out_dir: Path, limit: int, *, conv
     if dtype == "float32" and smaller <= limit:
         fits = f"--dtype float16 would need about {memory.gigabytes(smaller)}"
     else:
-        fits = f"what fits is {BUILDER_INT4}"
+        fits = f"what fits is {BUILDER_INT4.format(folder=folder or 'HF_FOLDER')}"
     memory.check_memory(estimate, limit, f"exporting {parameters / 1e9:.2f}B parameters in {dtype}", fits)
     needed = parameters * memory.DTYPE_BYTES[dtype]
     if convert_into is not None:
