@@ -104,6 +104,8 @@ def gguf_header(path: Path) -> GGUFHeader:
 
 
 def _exactly(f, size: int) -> bytes:
+    if size > os.fstat(f.fileno()).st_size - f.tell():  # a damaged length: never allocate what the file lacks
+        raise struct.error("past the end of the file")
     data = f.read(size)
     if len(data) != size:
         raise struct.error("short read")

@@ -125,3 +125,21 @@ def test_offline_with_an_empty_cache_says_in_one_line_how_to_provide_the_file(ca
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and model.gguf_name in err and str(tmp_path / "cache") in err, err
     assert list((tmp_path / "cache").iterdir()) == [] and not (tmp_path / "out").exists()
+
+
+def test_a_gguf_converted_to_a_folder_computes_what_transformers_computes_from_the_gguf(tmp_path):
+    import torch
+    import transformers
+
+    from layerdrop.export.loading import gguf_to_folder
+    from tests.test_gguf_fuzz import write_tiny_llama_gguf
+
+    write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    folder = gguf_to_folder(tmp_path / "tiny.gguf", tmp_path / "folder")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf",
+                                                                  dtype=torch.float32).eval()
+    converted = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.arange(3, 40)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(converted(ids).logits, reference(ids).logits, atol=0, rtol=0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder", "tiny.gguf"]
