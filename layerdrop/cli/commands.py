@@ -21,7 +21,7 @@ def _runtime(args) -> dict:
 
 def cmd_export(args) -> int:
     out = api.export(args.model, args.output, kv_cache=not args.no_kv_cache, dtype=args.dtype, force=args.force,
-                     trust_remote_code=args.trust_remote_code)
+                     trust_remote_code=args.trust_remote_code, memory_limit=args.memory_limit)
     print(f"exported {'without' if args.no_kv_cache else 'with'} KV cache to {out}")
     return 0
 

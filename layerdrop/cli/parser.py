@@ -81,11 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="export a HF model folder or GGUF file (default: SmolLM2-135M) to ONNX")
     p.add_argument("model", nargs="?", type=Path, help="HF model folder, .gguf file, or a known model: "
-                   "smollm2-135m (the default), gemma3-270m")
+                   "smollm2-135m (the default), gemma3-270m, qwen2.5-coder-1.5b")
     _output(p)
     p.add_argument("--no-kv-cache", action="store_true", help="export without KV-cache inputs/outputs")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
     p.add_argument("--trust-remote-code", action="store_true", help="allow models with custom code (auto_map)")
+    p.add_argument("--memory-limit", type=parse_bytes, default=None, help="refuse, before starting, an export whose "
+                   "estimated peak memory is over this (e.g. 24GB; default $LAYERDROP_MEMORY_LIMIT, else 16GB)")
     p.add_argument("--debug", action="store_true")
 
     p = sub.add_parser("score", help="attach calibration scores S = 1 - cos(X, Y) to every region")
@@ -190,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("pipeline", help="export -> score -> drop -> eval -> bench on one model (default SmolLM2)")
     p.add_argument("model", nargs="?", type=Path, help="HF folder, .gguf, ONNX folder, or a known model: "
-                   "smollm2-135m (the default), gemma3-270m")
+                   "smollm2-135m (the default), gemma3-270m, qwen2.5-coder-1.5b")
     p.add_argument("-o", "--output", type=Path, default=Path("out/pipeline"))
     p.add_argument("--calib", type=text_path)
     p.add_argument("--eval", type=text_path)
