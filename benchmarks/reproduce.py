@@ -61,21 +61,35 @@ def sizes(quick: bool) -> dict:
 
 
 class Runner:
-    """Runs `layerdrop` commands for one section and keeps their lines and times."""
+    """Runs `layerdrop` commands for one section and keeps their lines and times. A command that finished at this
+    commit (recorded in WORK/steps.json) and whose outputs are there is not run again, so a rerun after a crash
+    resumes within a section; `fresh` runs every command."""
 
-    def __init__(self, threads: str):
-        self.threads = threads
+    def __init__(self, threads: str, work: Path, commit: str, fresh: bool):
+        self.threads, self.commit, self.fresh = threads, commit, fresh
+        self.record = work / "steps.json"
         self.commands: list[str] = []
         self.seconds: dict[str, float] = {}
 
     def __call__(self, name: str, *args: str) -> None:
         line = "layerdrop " + " ".join(args)
+        self.commands.append(line)
+        done = read(self.record) if self.record.exists() else {}
+        outputs = [Path(args[i + 1]) for i, a in enumerate(args) if a in ("-o", "--json")]
+        previous = done.get(line)
+        if (not self.fresh and "--resume" not in args and previous and previous["commit"] == self.commit
+                and all(p.exists() for p in outputs)):
+            print(f"$ {line}  (done at this commit, skipped)", file=sys.stderr, flush=True)
+            self.seconds[name] = previous["seconds"]
+            return
         print(f"$ {line}", file=sys.stderr, flush=True)
         started = time.perf_counter()
         common = [] if args[0] in ("export", "fuse") else ["--threads", self.threads, "--no-progress"]
         subprocess.run([sys.executable, "-m", "layerdrop.cli", *args, *common], check=True)
         self.seconds[name] = round(time.perf_counter() - started, 1)
-        self.commands.append(line)
+        done = read(self.record) if self.record.exists() else {}
+        write_atomic(self.record, json.dumps({**done, line: {"commit": self.commit, "seconds": self.seconds[name]}},
+                                             indent=1) + "\n")
 
 
 def read(path: Path) -> dict:
@@ -222,7 +236,8 @@ def render_pipeline(data: dict) -> str:
               f"{calib['samples']} windows of {calib['seq_len']} tokens spread across each held-out text (seed "
               f"{calib['seed']}); HARP alphas "
               + ", ".join(f"{k}={v:g}" for k, v in sorted(r["harp"]["alphas"].items(), key=lambda kv: -int(kv[0])))
-              + f"; planner pick: {plan['pick']['method']}."]
+              + f"; planner pick: {plan['pick']['method']}. Timings: the base column is the drop's bench; each "
+              "ratio is against its own bench's base, timed alternating with it."]
     return "\n".join(lines)
 
 
@@ -386,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"reproduce: {section} is up to date in {path}, skipped (--force reruns it)",
                           file=sys.stderr)
                     continue
-            run = Runner(args.threads)
+            run = Runner(args.threads, work, facts["commit"], args.force)
             started = time.perf_counter()
             if section == "pipeline":
                 results = section_pipeline(work, source, config, s, run)
