@@ -19,8 +19,10 @@ Sections:
   deploy    `layerdrop pipeline` fp32 and `--quantize int4` against onnxruntime-genai's model builder graph of the
             same model, with the deployment goals.
 
-A section whose JSON holds the same commit and arguments is skipped unless --force, so a crash loses at most the
-running section. --quick runs a small version (few windows, one timed run) in minutes.
+A section whose JSON holds the same commit (the last that changed the package) and arguments is skipped unless
+--force, and a command already done at that commit is not run again, so a crash loses at most the running command
+(with uncommitted changes under layerdrop/ nothing is skipped). --quick runs a small version (few windows, one timed
+run) in minutes.
 """
 
 from __future__ import annotations
@@ -357,7 +359,9 @@ def provenance() -> dict:
     if cpuinfo.exists():
         names = re.findall(r"^model name\s*:\s*(.+)$", cpuinfo.read_text(), re.MULTILINE)
         cpu = names[0].strip() if names else cpu
-    return {"commit": _git("rev-parse", "HEAD") or "unknown",
+    # the last commit that changed the package: committing results, docs or tests does not make figures stale
+    return {"commit": _git("log", "-1", "--format=%H", "--", "layerdrop", "pyproject.toml") or "unknown",
+            "head": _git("rev-parse", "HEAD") or "unknown",
             "dirty": bool(_git("status", "--porcelain", "--untracked-files=no", "--", "layerdrop")),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": {"cpu": cpu, "summary": f"{platform.machine()}, {os.cpu_count()} cores",
@@ -393,15 +397,16 @@ def main(argv: list[str] | None = None) -> int:
         facts = provenance()
         for section in only:
             key = {"source": source, "quick": args.quick, "threads": args.threads,
-                   "planner_attn": args.planner_attn or config["planner_attn"]}
+                   "planner_attn": args.planner_attn or config["planner_attn"], "sizes": s,
+                   "plan_args": config["plan_args"]}
             path = args.out / args.model / f"{section}.json"
             if path.exists() and not args.force:
                 old = read(path)
-                if old.get("commit") == facts["commit"] and old.get("args") == key:
+                if not facts["dirty"] and old.get("commit") == facts["commit"] and old.get("args") == key:
                     print(f"reproduce: {section} is up to date in {path}, skipped (--force reruns it)",
                           file=sys.stderr)
                     continue
-            run = Runner(args.threads, work, facts["commit"], args.force)
+            run = Runner(args.threads, work, facts["commit"], args.force or facts["dirty"])
             started = time.perf_counter()
             if section == "pipeline":
                 results = section_pipeline(work, source, config, s, run)

@@ -65,7 +65,8 @@ def test_every_section_writes_its_json_with_provenance_and_texts(measured):
     for section in ("pipeline", "planner", "deploy"):
         data = json.loads((out / "smollm2" / f"{section}.json").read_text())
         assert data["args"]["source"] == str(folder) and data["args"]["quick"] is True
-        assert re.fullmatch(r"[0-9a-f]{40}", data["commit"]) and data["date"] and data["machine"]["cpu"]
+        assert re.fullmatch(r"[0-9a-f]{40}", data["commit"]) and re.fullmatch(r"[0-9a-f]{40}", data["head"])
+        assert data["date"] and data["machine"]["cpu"]
         assert set(data["versions"]) >= {"layerdrop", "onnxruntime"} and data["commands"]
     pipeline = json.loads((out / "smollm2" / "pipeline.json").read_text())["results"]
     text = pipeline["eval"]["docs"]["base"]["text"]
