@@ -17,7 +17,8 @@ Sections:
   planner   the planner's default plan at attn=N calibrated on the mixed text (held out on prose, docs, code and
             the dictionary), and the speedup plan (25% less prefill time, fitted maps and block moves allowed).
   deploy    `layerdrop pipeline` fp32 and `--quantize int4` against onnxruntime-genai's model builder graph of the
-            same model, with the deployment goals.
+            same model, with the deployment goals (the fused export within 1.1x of the builder graph's time;
+            each pruned output at 0.95 of the drop's ideal speedup or more).
 
 A section whose JSON holds the same commit (the last that changed the package) and arguments is skipped unless
 --force, and a command already done at that commit is not run again, so a crash loses at most the running command
@@ -302,7 +303,28 @@ def render_deploy(data: dict) -> str:
                      f"{quality[1]['perplexity']:.2f} | {quality[1]['perplexity'] / quality[0]['perplexity']:.2f}x "
                      "| - |")
         parts.append("\n".join(lines))
+    parts.append(render_goals(data["results"]))
     return "\n\n".join(parts)
+
+
+def render_goals(reports: dict) -> str:
+    """The deployment goals at the longest prefill measured: the fused export within 1.1x of the builder graph's
+    time, and each pruned output reaching 0.95 of the drop's ideal speedup (against the builder's unpruned graph for
+    fp32, against the int4 base for int4)."""
+    lines = ["| goal | measured | target | met |", "|---|---|---|---|"]
+    fp32, int4 = (reports[name]["bench"]["prefill"][-1] for name in ("fp32", "int4"))
+    if "reference" in fp32:
+        ratio = fp32["base"]["median_ms"] / fp32["reference"]["median_ms"]
+        lines.append(f"| unpruned fused export / builder fp32, prefill {fp32['seq']} | {ratio:.2f}x the builder's "
+                     f"time | <= 1.10x | {'yes' if ratio <= 1.10 else 'no'} |")
+        share = fp32["vs_reference"] / fp32["ideal"]
+        lines.append(f"| pruned fused output vs builder fp32 (unpruned), prefill {fp32['seq']} | "
+                     f"{fp32['vs_reference']:.2f}x = {share:.2f} of the ideal {fp32['ideal']:.2f}x | >= 0.95 of the "
+                     f"ideal | {'yes' if share >= 0.95 else 'no'} |")
+    share = int4["speedup"] / int4["ideal"]
+    lines.append(f"| int4 pruned vs int4 base, prefill {int4['seq']} | {int4['speedup']:.2f}x = {share:.2f} of the "
+                 f"ideal {int4['ideal']:.2f}x | >= 0.95 of the ideal | {'yes' if share >= 0.95 else 'no'} |")
+    return "\n".join(lines)
 
 
 RENDER = {"pipeline": render_pipeline, "planner": render_planner, "deploy": render_deploy}
