@@ -18,7 +18,8 @@ Sections:
             the dictionary), and the speedup plan (25% less prefill time, fitted maps and block moves allowed).
   deploy    `layerdrop pipeline` fp32 and `--quantize int4` against onnxruntime-genai's model builder graph of the
             same model, with the deployment goals (the fused export within 1.1x of the builder graph's time;
-            each pruned output at 0.95 of the drop's ideal speedup or more).
+            each pruned output at 0.95 of the drop's ideal speedup or more), and the builder's own int4 graph
+            scored and with the same attention drop written by layerdrop (graphs in).
 
 A section whose JSON holds the same commit (the last that changed the package) and arguments is skipped unless
 --force, and a command already done at that commit is not run again, so a crash loses at most the running command
@@ -189,6 +190,19 @@ def section_deploy(work: Path, source: str, config: dict, s: dict, run: Runner) 
             "--samples", str(s["samples"]), "--seq-len", str(s["seq_len"]), "--eval-samples", str(s["eval_samples"]),
             "--seq", s["seq"], "--runs", str(s["runs"]), *extra)
         reports[name] = read(folder / "report.json")
+    builder = reports["int4"].get("reference")
+    if builder:  # graphs in: the builder's own int4 graph scored and rewritten by layerdrop
+        count = reports["int4"]["method"].split("-")[-1]
+        run("score builder int4", "score", builder, "-o", str(out / "builder-scored"), "--calib", "prose",
+            "--samples", str(s["samples"]), "--seq-len", str(s["seq_len"]), "--force")
+        run("drop builder int4", "drop", str(out / "builder-scored"), "-o", str(out / "builder-dropped"), "--attn",
+            count, "--force")
+        run("eval builder int4", "eval", builder, "--vs", str(out / "builder-dropped"), "--samples",
+            str(s["eval_samples"]), "--seq-len", str(s["seq_len"]), "--json", str(out / "eval-builder.json"))
+        run("bench builder int4", "bench", builder, str(out / "builder-dropped"), "--seq", s["seq"], "--runs",
+            str(s["runs"]), "--decode", str(s["decode"]), "--json", str(out / "bench-builder.json"))
+        reports["builder int4 in"] = {"method": f"attn-{count}", "eval": read(out / "eval-builder.json")["models"],
+                                      "bench": read(out / "bench-builder.json")}
     return reports
 
 
@@ -278,6 +292,9 @@ def render_planner(data: dict) -> str:
 def render_deploy(data: dict) -> str:
     parts = []
     for name, report in data["results"].items():
+        if name == "builder int4 in":
+            parts.append(render_builder_in(report))
+            continue
         bench = report["bench"]
         label = report.get("reference_label") or "-"
         lines = [f"| {name}, {bench['machine']} | base | {label} | {report['method']} | speedup (ideal) | vs {label} |",
@@ -305,6 +322,25 @@ def render_deploy(data: dict) -> str:
         parts.append("\n".join(lines))
     parts.append(render_goals(data["results"]))
     return "\n\n".join(parts)
+
+
+def render_builder_in(report: dict) -> str:
+    """onnxruntime-genai's int4 graph as it was built and with layerdrop's attention drop."""
+    bench, (base, pruned) = report["bench"], report["eval"]
+    lines = [f"| builder int4 in, {bench['machine']} | as built | {report['method']} dropped by layerdrop | ratio |",
+             "|---|---|---|---|",
+             f"| perplexity ({base['text']['file']}) | {base['perplexity']:.2f} | {pruned['perplexity']:.2f} | "
+             f"{pruned['perplexity'] / base['perplexity']:.2f}x |"]
+    for entry in bench["prefill"]:
+        lines.append(f"| prefill {entry['seq']} tokens, median ms | {entry['base']['median_ms']:.1f} | "
+                     f"{entry['pruned']['median_ms']:.1f} | {entry['speedup']:.2f}x (ideal {entry['ideal']:.2f}x) |")
+    decode = bench["decode_tokens_per_s"]
+    lines.append(f"| decode tokens/s | {decode['base']:.1f} | {decode['pruned']:.1f} | "
+                 f"{decode['pruned'] / decode['base']:.2f}x |")
+    for label, key in (("KV cache bytes/token", "kv_bytes_per_token"), ("model file bytes", "model_bytes")):
+        value = bench[key]
+        lines.append(f"| {label} | {value['base']} | {value['pruned']} | {value['pruned'] / value['base']:.3f} |")
+    return "\n".join(lines)
 
 
 def render_goals(reports: dict) -> str:
