@@ -291,7 +291,10 @@ def render_planner(data: dict) -> str:
 
 def render_deploy(data: dict) -> str:
     parts = []
-    for name, report in data["results"].items():
+    for name in ("fp32", "int4", "builder int4 in"):
+        report = data["results"].get(name)
+        if report is None:
+            continue
         if name == "builder int4 in":
             parts.append(render_builder_in(report))
             continue

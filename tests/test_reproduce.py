@@ -35,7 +35,7 @@ def measured(hf_folder, tmp_path_factory):
 
 
 def tables(markdown: str) -> list[dict[str, list[str]]]:
-    """Every Markdown table as {first cell: the other cells}, header and rule rows left out."""
+    """Every Markdown table as {first cell: the other cells}, its header row under "" and its rule row left out."""
     found, current = [], None
     for line in markdown.splitlines():
         if not line.startswith("|"):
@@ -43,7 +43,7 @@ def tables(markdown: str) -> list[dict[str, list[str]]]:
             continue
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if current is None:
-            current = {}
+            current = {"": cells}
             found.append(current)
         elif not set(cells[0]) <= {"-"}:
             current[cells[0]] = cells[1:]
@@ -105,7 +105,7 @@ def test_the_planner_tables_show_every_row_of_both_plans(measured):
     found = tables((out / "smollm2.md").read_text())[1:3]
     for plan, table in zip((r["default"], r["speedup"]), found):
         rows = [m for m in plan["methods"] if not m.get("replaced_into")]
-        assert len(table) == 1 + len(rows)
+        assert len(table) == 2 + len(rows)  # the header, the baseline and every row
         assert numbers(table["baseline"][3]) == [round(plan["baseline"]["eval_ppl"], 2)]
         for method in rows:
             label = f"**{method['method']}**" if method["method"] == plan["pick"]["method"] else method["method"]
@@ -118,14 +118,20 @@ def test_the_planner_tables_show_every_row_of_both_plans(measured):
 def test_the_deploy_tables_show_both_pipelines_against_the_builder(measured):
     out, _, _ = measured
     r = json.loads((out / "smollm2" / "deploy.json").read_text())["results"]
-    found = tables((out / "smollm2.md").read_text())[3:5]
-    for name, table in zip(("fp32", "int4"), found):
+    found = {table[""][0].split(",")[0]: table for table in tables((out / "smollm2.md").read_text())}
+    for name in ("fp32", "int4"):
+        table = found[name]
         entry = r[name]["bench"]["prefill"][0]
         cells = row(table, f"prefill {entry['seq']} tokens")
         assert numbers(cells[0]) == [round(entry["base"]["median_ms"], 1)]
         assert numbers(cells[2]) == [round(entry["pruned"]["median_ms"], 1)]
         assert numbers(row(table, "model file bytes")[2]) == [r[name]["bench"]["model_bytes"]["pruned"]]
     assert r["int4"]["bench"]["model_bytes"]["base"] < r["fp32"]["bench"]["model_bytes"]["base"]
+    table, models = found["builder int4 in"], r["builder int4 in"]["eval"]
+    assert numbers(row(table, "perplexity")[0])[0] == round(models[0]["perplexity"], 2)
+    assert numbers(row(table, "perplexity")[1])[0] == round(models[1]["perplexity"], 2)
+    kv = r["builder int4 in"]["bench"]["kv_bytes_per_token"]
+    assert numbers(row(table, "KV cache bytes/token")[1])[0] == kv["pruned"] < kv["base"]
 
 
 def test_a_section_measured_at_the_same_commit_and_arguments_is_not_measured_again(measured):
