@@ -81,8 +81,7 @@ class Runner:
         done = read(self.record) if self.record.exists() else {}
         outputs = [Path(args[i + 1]) for i, a in enumerate(args) if a in ("-o", "--json")]
         previous = done.get(line)
-        if (not self.fresh and "--resume" not in args and previous and previous["commit"] == self.commit
-                and all(p.exists() for p in outputs)):
+        if not self.fresh and previous and previous["commit"] == self.commit and all(p.exists() for p in outputs):
             print(f"$ {line}  (done at this commit, skipped)", file=sys.stderr, flush=True)
             self.seconds[name] = previous["seconds"]
             return
