@@ -144,6 +144,25 @@ def test_a_section_measured_at_the_same_commit_and_arguments_is_not_measured_aga
     assert "$ layerdrop" not in result.stderr
 
 
+def test_a_rerun_after_a_crash_runs_none_of_the_commands_already_done(measured):
+    """A section whose JSON is missing (the run stopped before writing it) is measured again from the commands'
+    outputs already in WORK: none of them is rewritten, and the figures are the same."""
+    out, work, folder = measured
+    path = out / "smollm2" / "pipeline.json"
+    kept = path.read_bytes()
+    outputs = {p: p.stat().st_mtime_ns for p in (work / "pipeline").glob("*.json")}
+    assert len(outputs) >= 8
+    path.unlink()
+    try:
+        result = reproduce("--quick", "--only", "pipeline", "--model-folder", str(folder), "--planner-attn", "1",
+                           "--out", str(out), "--work", str(work), "--readme", str(out / "absent.md"))
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert {p: p.stat().st_mtime_ns for p in outputs} == outputs
+        assert json.loads(path.read_text())["results"] == json.loads(kept)["results"]
+    finally:
+        path.write_bytes(kept)
+
+
 def test_render_only_replaces_the_text_between_the_markers_and_nothing_else(measured, tmp_path):
     out, _, _ = measured
     r = json.loads((out / "smollm2" / "pipeline.json").read_text())["results"]
