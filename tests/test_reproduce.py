@@ -148,8 +148,8 @@ def test_a_rerun_after_a_crash_runs_none_of_the_commands_already_done(measured):
     """A section whose JSON is missing (the run stopped before writing it) is measured again from the commands'
     outputs already in WORK: none of them is rewritten, and the figures are the same."""
     out, work, folder = measured
-    path = out / "smollm2" / "pipeline.json"
-    kept = path.read_bytes()
+    path, markdown = out / "smollm2" / "pipeline.json", out / "smollm2.md"
+    kept, rendered = path.read_bytes(), markdown.read_bytes()
     outputs = {p: p.stat().st_mtime_ns for p in (work / "pipeline").glob("*.json")}
     assert len(outputs) >= 8
     path.unlink()
@@ -159,8 +159,9 @@ def test_a_rerun_after_a_crash_runs_none_of_the_commands_already_done(measured):
         assert result.returncode == 0, result.stderr[-3000:]
         assert {p: p.stat().st_mtime_ns for p in outputs} == outputs
         assert json.loads(path.read_text())["results"] == json.loads(kept)["results"]
-    finally:
+    finally:  # the fixture's files as they were, for the other tests
         path.write_bytes(kept)
+        markdown.write_bytes(rendered)
 
 
 def test_render_only_replaces_the_text_between_the_markers_and_nothing_else(measured, tmp_path):
