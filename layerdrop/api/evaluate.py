@@ -170,8 +170,8 @@ def standard_tasks(
 
     Returns:
         {"models": [paths], "tasks": [row], "average": row}; a row has "task", "metric", "split", "items",
-        "chance", "scores" and "stderrs" (one per model), and with two models "difference", "difference_se"
-        (paired, other - base), "retained" (100 * other / base) and "chance_adjusted_retained"
+        "chance", "scores" and "stderrs" (one per model), "license" (the set's), and with two models "difference",
+        "difference_se" (paired, other - base), "retained" (100 * other / base) and "chance_adjusted_retained"
         (100 * (other - chance) / (base - chance)); all in percent.
 
     Raises:
@@ -198,7 +198,8 @@ def standard_tasks(
         lm = LayerdropLM(path=str(path), provider=provider, batch_size=batch_size, threads=threads,
                          progress=progress)
         outcomes.append(run_standard_tasks(lm, names, limit=whole, wheel=wheel))
-    rows = [task_row([found[name] for found in outcomes]) for name in names]
+    rows = [{**task_row([found[name] for found in outcomes]), "license": STANDARD_TASKS[name].license}
+            for name in names]
     return {"models": [str(p) for p in model_paths], "tasks": rows, "average": average_row(rows)}
 
 

@@ -48,7 +48,7 @@ STANDARD_TASKS = {task.name: task for task in (
     StandardTask("winogrande", "validation", "acc", "hf:winogrande/winogrande_xl/validation", "CC BY 4.0"),
     StandardTask("boolq", "validation", "acc", "hf:boolq/none/validation", "CC BY-SA 3.0"),
     StandardTask("openbookqa", "test", "acc_norm", "olmes:openbookqa/test_rc_5shot", "Apache-2.0"),
-    StandardTask("lambada_openai", "test", "acc", "olmes:lambada/bpb_0shot", "MIT"),
+    StandardTask("lambada_openai", "test", "acc", "olmes:lambada/bpb_0shot", "CC BY 4.0"),
     StandardTask("mmlu", "test", "acc", "hf:hails/mmlu_no_train", "MIT", num_fewshot=5),
 )}
 PAPERS = [name for name in STANDARD_TASKS if name != "mmlu"]
