@@ -5,6 +5,7 @@ torch stays inside layerdrop.export."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import layerdrop
@@ -13,6 +14,7 @@ ROOT = Path(layerdrop.__file__).parent
 LEVELS = {
     "layerdrop.errors": 0, "layerdrop.formats": 0,
     "layerdrop": 1, "layerdrop._lm_eval_hook": 1, "layerdrop.model_folder": 1, "layerdrop.windows": 1,
+    "layerdrop.checkpoints": 1, "layerdrop.task_data": 1,
     "layerdrop.export": 2, "layerdrop.passes": 2, "layerdrop.runtime": 2,
     "layerdrop.search": 3,
     "layerdrop.api": 4,
@@ -98,3 +100,40 @@ def test_torch_and_transformers_only_in_export():
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             leaks += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] in ("torch", "transformers")]
     assert not leaks, leaks
+
+
+BENCHMARKS = ROOT.parent / "benchmarks"
+
+
+def _private_names(path: Path) -> list[str]:
+    """Private names of the package that a file under benchmarks/ reaches: `from layerdrop.x import _y`, a module
+    path with a part that starts with `_`, or `layerdrop.x._y` written out anywhere in the text."""
+    def private(dotted: str) -> bool:  # dunders such as __version__ are public
+        return any(p.startswith("_") and not p.endswith("__") for p in dotted.split("."))
+
+    text = path.read_text(encoding="utf-8")
+    found = [name for name in re.findall(r"\blayerdrop(?:\.\w+)+", text) if private(name)]
+    if path.suffix == ".py":
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "layerdrop":
+                found += [f"{node.module}.{a.name}" for a in node.names if private(a.name)]
+                found += [node.module] if private(node.module) else []
+            elif isinstance(node, ast.Import):
+                found += [a.name for a in node.names if a.name.split(".")[0] == "layerdrop" and private(a.name)]
+    return found
+
+
+def test_benchmarks_use_only_public_names_of_the_package(tmp_path):
+    assert (BENCHMARKS / "reproduce.py").is_file()
+    reached = {p.name: _private_names(p) for p in sorted(BENCHMARKS.iterdir()) if p.suffix in (".py", ".sh")}
+    assert not {name: names for name, names in reached.items() if names}
+    # the check itself finds each form
+    probe = tmp_path / "probe.py"
+    probe.write_text("from layerdrop.api.plan import plan, _prefix\nimport layerdrop._lm_eval_hook\n"
+                     "from layerdrop.runtime import bench\nx = layerdrop.api.plan._HeldOut\n")
+    assert sorted(_private_names(probe)) == ["layerdrop._lm_eval_hook", "layerdrop._lm_eval_hook",
+                                             "layerdrop.api.plan._HeldOut", "layerdrop.api.plan._prefix"]
+
+
+def test_benchmarks_hold_at_most_ten_files():
+    assert len([p for p in BENCHMARKS.iterdir() if p.name != "__pycache__"]) <= 10

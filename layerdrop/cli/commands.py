@@ -21,7 +21,7 @@ def _runtime(args) -> dict:
 
 def cmd_export(args) -> int:
     out = api.export(args.model, args.output, kv_cache=not args.no_kv_cache, dtype=args.dtype, force=args.force,
-                     trust_remote_code=args.trust_remote_code)
+                     trust_remote_code=args.trust_remote_code, memory_limit=args.memory_limit)
     print(f"exported {'without' if args.no_kv_cache else 'with'} KV cache to {out}")
     return 0
 
@@ -127,7 +127,11 @@ def _eval_tasks(args) -> int:
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
         raise LayerdropError("--tasks is empty; name lm-eval tasks, e.g. --tasks hellaswag,arc_easy")
+    if args.limit is not None and args.limit <= 0:
+        raise LayerdropError(f"--limit must be above 0 (items per task), not {args.limit:g}")
     folders = [args.model] + ([args.vs] if args.vs else [])
+    if _standard(tasks, args):
+        return _eval_standard_tasks(args, tasks, folders)
     for folder in folders:
         model_folder.load(folder)  # both folders are checked before minutes of evaluation
     results = [api.harness(f, tasks, limit=args.limit, include_path=args.include_path, num_fewshot=args.num_fewshot,
@@ -138,6 +142,33 @@ def _eval_tasks(args) -> int:
     if args.json:
         api.write_json({"models": [str(f) for f in folders], "tasks": rows,
                         "generations": [r["generations"] for r in results]}, args.json)
+    return 0
+
+
+def _standard(tasks: list[str], args) -> bool:
+    """Whether `tasks` are the offline standard tasks (all of them), not lm-eval tasks of the user's own."""
+    from layerdrop.runtime.standard_tasks import STANDARD_TASKS
+
+    known = [t in STANDARD_TASKS or t == "papers" for t in tasks]
+    if any(known) and not all(known):
+        raise LayerdropError("give either the standard tasks (" + ", ".join(STANDARD_TASKS) + ", papers) or lm-eval "
+                             "tasks of your own, not both in one --tasks")
+    return all(known) and args.include_path is None and args.num_fewshot is None
+
+
+def _eval_standard_tasks(args, tasks: list[str], folders: list) -> int:
+    from layerdrop.api.evaluate import fidelity, standard_tasks
+    from layerdrop.cli.tables import standard_tasks_table
+
+    report = standard_tasks(folders, tasks, limit=args.limit, batch_size=args.batch or 8,
+                            progress=_progress(args), **_runtime(args))
+    if args.vs:
+        report["fidelity"] = fidelity(args.model, args.vs, text=args.text, samples=args.samples,
+                                      seq_len=args.seq_len, sampling=sampling(args), batch_size=1,
+                                      progress=_progress(args), **_runtime(args))
+    print(standard_tasks_table(report))
+    if args.json:
+        api.write_json(report, args.json)
     return 0
 
 
@@ -193,7 +224,7 @@ def cmd_plan(args) -> int:
                       fit_previous=args.fit_previous, force=args.force, progress=_progress(args),
                       quantize=args.quantize, keep_float=args.keep_float, also_eval=args.also_eval,
                       accuracy_items=args.accuracy_items, speedup_tokens=args.speedup_tokens,
-                      speedup_runs=args.speedup_runs,
+                      speedup_runs=args.speedup_runs, resume=args.resume,
                       options=api.RunOptions(args.provider, args.threads, args.batch_size))
     for note in result.notes:
         print(f"layerdrop: note: {note}", file=sys.stderr)

@@ -7,14 +7,9 @@ import math
 import re
 
 from layerdrop.errors import LayerdropError
+from layerdrop.memory import parse_size
 
 MODULE_KINDS = ("attn", "mlp", "block")
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1}
-for _i, _p in enumerate("kmgt", start=1):
-    _UNITS[f"{_p}b"] = _UNITS[_p] = 1000**_i
-    _UNITS[f"{_p}ib"] = _UNITS[f"{_p}i"] = 1024**_i
-
 
 def parse_layers(text: str) -> list[int]:
     """'3,6,8-10' -> [3, 6, 8, 9, 10]; duplicates and negative indices are refused."""
@@ -75,10 +70,7 @@ def parse_alphas(text: str) -> dict[int, float]:
 
 def parse_bytes(text: str) -> int:
     """'500MB' -> 500_000_000, '1.5GiB' -> 1_610_612_736, '123' -> 123."""
-    match = _SIZE.match(str(text))
-    if not match or match.group(2).lower() not in _UNITS:
-        raise LayerdropError(f"bad size {text!r}: use a number with an optional unit like 500MB or 1.5GiB")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    return parse_size(text)
 
 
 def parse_items(text: str) -> int:

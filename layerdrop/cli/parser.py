@@ -38,12 +38,20 @@ def _output(parser: argparse.ArgumentParser, required: bool = True) -> None:
     parser.add_argument("--force", action="store_true", help="replace a non-empty output folder")
 
 
+def text_path(value: str) -> Path:
+    """A text argument: a bundled text's bare name (calib, prose, eval, docs, code, dictionary) means that text even
+    where a file or folder of the same name exists here (write `./docs` for the folder), else the path given."""
+    from layerdrop.windows import BUNDLED, bundled_text
+
+    return bundled_text(value) if value in BUNDLED else Path(value)
+
+
 def _text_options(parser: argparse.ArgumentParser, flag: str | None, what: str, samples: int | None = None) -> None:
     """A text flag with its window count and length (when `flag`), and how windows are taken from texts."""
     from layerdrop.api import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN
 
     if flag:
-        parser.add_argument(flag, type=Path, default=None, help=f"{what} text: a UTF-8 file, a .jsonl file, a "
+        parser.add_argument(flag, type=text_path, default=None, help=f"{what} text: a UTF-8 file, a .jsonl file, a "
                             "folder of them, or a bundled text (calib, prose, eval, docs, code; default: the bundled "
                             "text)")
         parser.add_argument("--samples", type=parse_count, default=samples or DEFAULT_SAMPLES, help="windows to use")
@@ -73,11 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="export a HF model folder or GGUF file (default: SmolLM2-135M) to ONNX")
     p.add_argument("model", nargs="?", type=Path, help="HF model folder, .gguf file, or a known model: "
-                   "smollm2-135m (the default), gemma3-270m")
+                   "smollm2-135m (the default), gemma3-270m, qwen2.5-coder-1.5b")
     _output(p)
     p.add_argument("--no-kv-cache", action="store_true", help="export without KV-cache inputs/outputs")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
     p.add_argument("--trust-remote-code", action="store_true", help="allow models with custom code (auto_map)")
+    p.add_argument("--memory-limit", type=parse_bytes, default=None, help="refuse, before starting, an export whose "
+                   "estimated peak memory is over this (e.g. 24GB; default $LAYERDROP_MEMORY_LIMIT, else 16GB)")
     p.add_argument("--debug", action="store_true")
 
     p = sub.add_parser("score", help="attach calibration scores S = 1 - cos(X, Y) to every region")
@@ -87,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", "--batch", dest="batch", type=parse_count, default=1,
                    help="windows per ONNX Runtime call")
     p.add_argument("--json", type=Path, help="write the scores as JSON")
-    p.add_argument("--compare", type=Path, help="second calibration text: report the overlap of the rankings")
+    p.add_argument("--compare", type=text_path, help="second calibration text: report the overlap of the rankings")
     p.add_argument("--top-n", type=parse_count, default=8, help="n for --compare (default 8)")
     _common(p)
 
@@ -182,10 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("pipeline", help="export -> score -> drop -> eval -> bench on one model (default SmolLM2)")
     p.add_argument("model", nargs="?", type=Path, help="HF folder, .gguf, ONNX folder, or a known model: "
-                   "smollm2-135m (the default), gemma3-270m")
+                   "smollm2-135m (the default), gemma3-270m, qwen2.5-coder-1.5b")
     p.add_argument("-o", "--output", type=Path, default=Path("out/pipeline"))
-    p.add_argument("--calib", type=Path)
-    p.add_argument("--eval", type=Path)
+    p.add_argument("--calib", type=text_path)
+    p.add_argument("--eval", type=text_path)
     p.add_argument("--attn", type=parse_count, help="drop the N lowest-scored attention layers (default L/4)")
     p.add_argument("--joint", type=parse_count, help="drop the N lowest of attention and MLP together")
     p.add_argument("--harp", type=parse_count, metavar="K", help="HARP on the top K layers with searched alphas")
@@ -213,13 +223,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", type=Path)
     _output(p)
     p.add_argument("--budget", required=True, help="attn=N | kv=FRACTION_KEPT | speedup=X[@TOKENS] | blocks=N")
-    p.add_argument("--calib", type=Path, help="text for scores and the search: a file, a folder or a bundled text "
+    p.add_argument("--calib", type=text_path, help="text for scores and the search: a file, a folder or a bundled text "
                    "(calib, prose, eval, docs, code; default: calib, the mixed one)")
-    p.add_argument("--eval", type=Path, help="held-out text for the comparison table (default: the bundled eval)")
-    p.add_argument("--search-text", type=Path, help="text every choice is made on (alphas, layers, ridges, the "
+    p.add_argument("--eval", type=text_path, help="held-out text for the comparison table (default: the bundled eval)")
+    p.add_argument("--search-text", type=text_path, help="text every choice is made on (alphas, layers, ridges, the "
                    "pick; default: the search part of --calib); e.g. --calib mine.txt --search-text calib keeps "
                    "estimates on your text and choices on the bundled mix of kinds")
-    p.add_argument("--also-eval", type=Path, action="append", default=[], metavar="TEXT",
+    p.add_argument("--also-eval", type=text_path, action="append", default=[], metavar="TEXT",
                    help="another held-out text for a column of its own (repeatable; e.g. --also-eval docs)")
     p.add_argument("--accuracy-items", type=parse_items, default=200, help="multiple-choice items built from the "
                    "held-out text for the accuracy column, run through lm-eval (0: no column; needs the eval extra)")
@@ -253,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "text the calibration lacks; the layer's KV cache becomes a one-token state "
                    "(past_key_values.N.conv_state) that layerdrop's runtime and onnxruntime-genai (greedy and "
                    "sampling, not beam search) carry")
+    p.add_argument("--resume", action="store_true", help="go on from the finished measurements of an interrupted "
+                   "plan of the same -o, kept in .NAME.plan-work beside it (removed once the plan is written); a "
+                   "changed input recomputes what depends on it")
     _quantize_option(p)
     p.add_argument("--json", type=Path)
     _sampling_options(p)

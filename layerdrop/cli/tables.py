@@ -65,3 +65,34 @@ def harness_table(names: list[str], results: list[dict]) -> tuple[str, list[dict
                 output = result["generations"][task][index]["output"]
                 lines.append(f"      {label:>6}: {output[:100]!r}")
     return "\n".join(lines), rows
+
+
+def standard_tasks_table(report: dict) -> str:
+    """The standard tasks' table (`api.evaluate.standard_tasks`): per task and on average, each model's score ±
+    its standard error, and with two models the paired difference, % retained and chance-adjusted % retained;
+    then the fidelity line where the report has one."""
+    two = len(report["models"]) == 2
+    labels = ["base", "other"] if two else ["score"]
+    lines = [f"{label}: {name}" for label, name in zip(labels, report["models"])] + [""]
+    header = f"{'task':<15} {'metric':<9} {'split':<10} {'items':>6} {'chance':>6} "
+    header += " ".join(f"{label:>13}" for label in labels)
+    if two:
+        header += f" {'difference':>14} {'retained':>9} {'chance-adj.':>11}"
+    lines.append(header)
+    for row in [*report["tasks"], report["average"]]:
+        if row["task"] == "average":
+            lines.append("-" * len(header))
+        line = (f"{row['task']:<15} {row['metric']:<9} {row['split']:<10} {row['items']:>6} {row['chance']:>6.1f} "
+                + " ".join(f"{f'{s:.1f} ± {e:.1f}':>13}" for s, e in zip(row["scores"], row["stderrs"])))
+        if two:
+            difference = f"{row['difference']:+.1f} ± {row['difference_se']:.1f}"
+            line += f" {difference:>14} {row['retained']:>8.1f}% {row['chance_adjusted_retained']:>10.1f}%"
+        lines.append(line)
+    lines.append("scores in %; metric: acc_norm for ARC, HellaSwag, OpenBookQA, PIQA, acc otherwise; the average "
+                 "is the mean over tasks")
+    if "fidelity" in report:
+        found = report["fidelity"]
+        lines.append(f"fidelity on {found['tokens']} held-out tokens of {found['text'].get('file', 'the eval text')}:"
+                     f" KL(base || other) {found['kl']:.4f} nats/token, top-1 agreement "
+                     f"{100 * found['top1_agreement']:.1f}%")
+    return "\n".join(lines)

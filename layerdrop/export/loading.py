@@ -133,8 +133,9 @@ def gguf_to_folder(gguf_path: Path, folder: Path) -> Path:
     config_dict = gguf_model.config.to_dict()
     config_dict.pop("quantization_config", None)
     config = transformers.AutoConfig.for_model(**config_dict)
-    plain = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(gguf_model.state_dict())
+    with torch.device("meta"):  # no second copy of the weights: the plain model takes the loaded tensors over
+        plain = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(gguf_model.state_dict(), assign=True)
     tokenizer = gguf_tokenizer(gguf_path)
 
     folder.parent.mkdir(parents=True, exist_ok=True)

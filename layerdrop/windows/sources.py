@@ -32,13 +32,13 @@ def bundled_text(part: str) -> Path:
 
 
 def resolve_text(text: Path | str | None, role: str = "calib") -> Path:
-    """The file a text argument names: the role's bundled default for None, an existing path as it is, else a bundled
-    text's name (`BUNDLED`: calib, prose, eval, docs, code, dictionary); anything else is returned for
-    `TextSource.open` to refuse."""
+    """The file a text argument names: the role's bundled default for None; a bundled text's name (`BUNDLED`: calib,
+    prose, eval, docs, code, dictionary) given as a string is that text even where a file of that name exists here;
+    a `Path` that exists is itself; anything else is returned for `TextSource.open` to refuse."""
     if text is None:
         return bundled_text("eval" if role == "eval" else "calib")
     path = Path(text)
-    if not path.exists() and str(text) in BUNDLED:
+    if str(text) in BUNDLED and (isinstance(text, str) or not path.exists()):
         return bundled_text(str(text))
     return path
 

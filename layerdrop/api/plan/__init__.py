@@ -3,7 +3,8 @@ on the same windows.
 
 `budget` says what a budget asks of the rows, `texts` which windows they are chosen and measured on,
 `candidates` makes the moves (the papers' methods and the planner's searches: `search.planner`, `search.fit`,
-`search.blocks`), `measure` measures each as a row, `report` holds the rows and the pick."""
+`search.blocks`), `measure` measures each as a row, `report` holds the rows and the pick, `resume` checkpoints every
+finished measurement so `--resume` goes on where a killed plan stopped."""
 
 from __future__ import annotations
 
@@ -36,8 +37,10 @@ from layerdrop.api.plan.candidates import (
 )
 from layerdrop.api.plan.measure import Measure, choose_prefix
 from layerdrop.api.plan.report import PlanResult, PlanRow, choose_pick
+from layerdrop.api.plan.resume import Checkpoints, folder_fingerprint, keeps_work, plan_work_area, window_ids
 from layerdrop.api.plan.texts import PlanWindows, Texts, fit_windows, plan_windows
 from layerdrop.api.score import score
+from layerdrop.checkpoints import CheckpointStore
 from layerdrop.errors import LayerdropError, TooFewTokens
 from layerdrop.formats import PLAN_KEY
 from layerdrop.passes.attach_scores import read_scores
@@ -56,6 +59,7 @@ SPEEDUP_TOKENS, SPEEDUP_RUNS = 1024, 5  # a speedup budget's prefill length (wit
 SIZING_RUNS = 3  # timed runs of each structure measured to size a speedup budget's rows
 
 
+@keeps_work
 def plan(
     model_path: Path,
     out_dir: Path,
@@ -85,6 +89,7 @@ def plan(
     accuracy_items: int = ACCURACY_ITEMS,
     speedup_tokens: int | None = None,
     speedup_runs: int = SPEEDUP_RUNS,
+    resume: bool = False,
 ) -> PlanResult:
     """Plan the best set of moves for a budget, compare it with the papers' methods, and write the pick.
 
@@ -101,14 +106,21 @@ def plan(
     make (under a speedup budget, among those that reach it in the table's timing). The written model is float
     unless `quantize` (or an int4 source without `keep_float`) says otherwise.
 
+    Every finished measurement is checkpointed in the work folder `.NAME.plan-work` beside `out_dir`
+    (`resume.plan_work_area`), removed once the output is written; with `resume`, a rerun loads the checkpoints of
+    the same inputs and computes only the rest. A KeyboardInterrupt part way says how to resume.
+
     Returns:
         The `PlanResult` (its `to_dict()` is plan.json; its `notes` are for the user).
 
     Raises:
-        LayerdropError: a bad budget, move word, model or text.
+        LayerdropError: a bad budget, move word, model or text, or a work folder of an interrupted plan without
+            `resume` or `force`.
     """
     folder, model = open_model(model_path)
     model_folder.reserve_output(Path(out_dir), inputs=[folder.path], force=force)
+    store = CheckpointStore.open(plan_work_area(out_dir), resume=resume, force=force)
+    saved = Checkpoints(store, folder_fingerprint(folder.path, folder.onnx_path))
     attention = sorted(r.layer for r in annotated_regions(model) if r.kind == "attn")
     if not attention:
         raise LayerdropError("this graph has no attention regions; nothing to plan")
@@ -120,19 +132,25 @@ def plan(
     started = time.perf_counter()
     notes: list[str] = []  # for the user; those of rows left out also go into the report's `skipped`
     windows = plan_windows(folder.path, texts, notes)
-    rows = read_scores(model) or score(folder.path, None, calib=calib, samples=samples, seq_len=seq_len,
-                                        sampling=sampling, provider=options.provider, threads=options.threads,
-                                        progress=progress)["regions"]
+    rows = read_scores(model) or saved.cached(
+        "scores", (windows.calib.source["sha256"], samples, seq_len, sampling, options.provider),
+        lambda: score(folder.path, None, calib=calib, samples=samples, seq_len=seq_len, sampling=sampling,
+                      provider=options.provider, threads=options.threads, progress=progress)["regions"])
     inputs = Inputs(model, folder.path, {r["layer"]: r["score"] for r in rows if r["kind"] == "attn"},
                     {r["layer"]: r["score"] for r in rows if r["kind"] == "block"}, windows.calib, windows.search,
                     None, options, progress, [], fit_previous)
     phase = _Phases(progress)
     meter = _sizing_meter(inputs, parsed, allowed, speedup_runs, phase) if parsed.kind == "speedup" else None
-    counts = row_counts(parsed, meter, inputs.scores, inputs.block_scores, allowed, extra, inputs.skipped)
+    counts = saved.cached("sizing", (parsed, inputs.scores, inputs.block_scores, allowed, extra, options,
+                                     speedup_runs, fit_previous),
+                          lambda: row_counts(parsed, meter, inputs.scores, inputs.block_scores, allowed, extra,
+                                             inputs.skipped), skipped=inputs.skipped, meter=meter)
     if "fit" in allowed or counts.blocks:
-        inputs.fit = fit_windows(model, folder.path, texts, options, progress)
+        inputs.fit = saved.cached("fit-windows", (window_ids(windows.calib), texts.samples, texts.fit_samples,
+                                                  texts.self_samples, sampling, options),
+                                  lambda: fit_windows(model, folder.path, texts, options, progress))
     candidates, log, allowed = _candidates(inputs, attention, counts, allowed, extra, meter, parsed, phase,
-                                           per_layer_moves, moves is not None)
+                                           per_layer_moves, moves is not None, saved)
     if meter is not None:
         meter.bar.close()
     tokens = speedup_tokens or parsed.tokens or (SPEEDUP_TOKENS if parsed.kind == "speedup" else seq_len)
@@ -142,16 +160,18 @@ def plan(
         meter = PrefillMeter(model, folder.path, tokens, options.session(model, folder=folder.path), speedup_runs,
                              options=options)
     result = _measured(inputs, windows, candidates, allowed, len(attention), meter,
-                       (tokens, speedup_runs), parsed, counts)
+                       (tokens, speedup_runs), parsed, counts, saved)
     result.search_seconds = time.perf_counter() - started
     result.planner_log = log
-    result.notes = [*notes, *result.skipped]
+    result.notes = [*notes, *result.skipped, *filter(None, [saved.summary()])]
     write_json(model.metadata_props, PLAN_KEY, result.record())
     chosen = next(c for c, row in zip(candidates, result.rows) if row is result.pick).applied_to(model)
     # the comparison is measured in float; the written model is quantized
     writes = [quantize_pass(quantize)] if quantize is not None else int4_write_back(model, keep_float)
     chosen = run_passes(chosen, writes) if writes else chosen
     save_model(chosen, out_dir, folder, force=force)
+    result.checkpoints = {"loaded": list(store.loaded), "computed": list(store.computed)}
+    store.remove()
     return result
 
 
@@ -171,10 +191,11 @@ def _sizing_meter(inputs: Inputs, budget: Budget, allowed: frozenset, speedup_ru
 
 
 def _candidates(inputs: Inputs, attention: list[int], counts: RowCounts, allowed: frozenset, extra: int,
-                meter: PrefillMeter | None, budget: Budget, phase: _Phases, per_layer_moves: bool, named: bool
-                ) -> tuple[list[Candidate], list[dict], frozenset]:
+                meter: PrefillMeter | None, budget: Budget, phase: _Phases, per_layer_moves: bool, named: bool,
+                saved: Checkpoints) -> tuple[list[Candidate], list[dict], frozenset]:
     """Every candidate the budget's counts and the allowed moves make, the planner search's log, and the allowed
-    moves (less the fit where the windows cannot support one and the moves were not `named` by the user).
+    moves (less the fit where the windows cannot support one and the moves were not `named` by the user); each
+    phase's candidates are checkpointed in `saved`.
 
     Raises:
         TooFewTokens: the windows cannot support a fit the user asked for by name.
@@ -186,17 +207,25 @@ def _candidates(inputs: Inputs, attention: list[int], counts: RowCounts, allowed
     candidates: list[Candidate] = []
     planned = None
     pool = len(candidate_pool(inputs.scores, count, extra)) if count else 0
+    # what each phase's candidates are made from: the scores, the windows it reads, how ONNX Runtime runs
+    scores, calib, search, fit = (inputs.scores, window_ids(inputs.calib), window_ids(inputs.search),
+                                  window_ids(inputs.fit))
+    shifted = "shift" in allowed
     if count:
         phase("the papers' methods: one-shot and iterative drop, HARP, score-selected bypass")
-        candidates += paper_candidates(inputs, attention, count)
+        candidates += saved.cached("papers", (scores, calib, search, inputs.options, attention, count),
+                                   lambda: paper_candidates(inputs, attention, count))
     if fits_searched:
         phase(f"the planner's search over fits of the {pool} lowest-scored layers"
               + (", then each chosen layer's fit, drop or bypass" if per_layer_moves else "")
               + (f" (and on to {counts.matched}, the block rows' speed)" if counts.matched else "")
               + ", then the chosen and the lowest-scored layers fitted bottom-up")
         try:
-            planned, found = fit_candidates(inputs, count, extra, grid if per_layer_moves else (), "shift" in allowed,
-                                            counts.matched)
+            fits_grid = grid if per_layer_moves else ()
+            planned, found = saved.cached(
+                "fits", (scores, fit, search, calib if fits_grid and shifted else None, inputs.options,
+                         inputs.previous, count, extra, fits_grid, shifted, counts.matched),
+                lambda: fit_candidates(inputs, count, extra, fits_grid, shifted, counts.matched))
             candidates += found
         except TooFewTokens as exc:
             if named:  # asked for by name: the user must hear why it cannot be done
@@ -206,24 +235,32 @@ def _candidates(inputs: Inputs, attention: list[int], counts: RowCounts, allowed
             phase.total += bool(grid)  # the search over bypasses and drops instead
     if grid and "fit" not in allowed:
         phase(f"the planner's search over the {pool} lowest-scored layers")
-        planned, found = bypass_candidates(inputs, count, extra, grid, "shift" in allowed)
+        planned, found = saved.cached("bypasses", (scores, search, calib if shifted else None, inputs.options,
+                                                   count, extra, grid, shifted),
+                                      lambda: bypass_candidates(inputs, count, extra, grid, shifted))
         candidates += found
     if block_count:
         phase(f"block moves: ShortGPT's drop and ReplaceMe's fitted run of {block_count} blocks"
               + (", and runs of fewer blocks with attention moves" if meter and allowed - {"blocks"} else ""))
         sizes = mixed_sizes(block_count, allowed) if meter is not None else []
-        runs = fitted_runs(inputs, [block_count, *sizes])
+        runs = saved.cached("block-runs", (fit, search, inputs.options, block_count, sizes),
+                            lambda: fitted_runs(inputs, [block_count, *sizes]), skipped=inputs.skipped)
         candidates += block_candidates(inputs.block_scores, block_count, runs)
         if runs:
-            candidates += mixed_candidates(inputs, meter, budget.value, sizes, runs, allowed)
+            candidates += saved.cached(
+                "mixed", (scores, fit, search, inputs.options, inputs.previous, budget.value, sizes, runs, allowed),
+                lambda: mixed_candidates(inputs, meter, budget.value, sizes, runs, allowed),
+                skipped=inputs.skipped, meter=meter)
     return candidates, planned.log if planned is not None else [], allowed
 
 
 def _measured(inputs: Inputs, windows: PlanWindows, candidates: list[Candidate], allowed: frozenset, layers: int,
-              meter: PrefillMeter | None, speed: tuple[int, int], budget: Budget, counts: RowCounts) -> PlanResult:
+              meter: PrefillMeter | None, speed: tuple[int, int], budget: Budget, counts: RowCounts,
+              saved: Checkpoints) -> PlanResult:
     """Measure the baseline and every candidate (a progress bar with the baseline's and the best held-out
     perplexity so far; `speed`: the rows' prefill tokens and timed runs, through `meter`) and pick the best allowed
-    one on the search windows; the plan's result, without its timing, log and notes."""
+    one on the search windows; the plan's result, without its timing, log and notes. Each row is checkpointed in
+    `saved` (the baseline's with the hidden states it keeps for the other rows)."""
     tokens, runs = speed
     model, held_out, search = inputs.model, windows.held_out, windows.search
     sets = held_out.sets(search)
@@ -232,12 +269,19 @@ def _measured(inputs: Inputs, windows: PlanWindows, candidates: list[Candidate],
     bar = tqdm(total=1 + len(candidates), desc="measuring rows", unit="row", disable=not inputs.progress,
                leave=False)
     base_session = meter.base if meter is not None else None
-    base = measure.row(Candidate("baseline"), session=base_session, timed=False)
+    timed = meter if meter is not None and runs > 0 else None
+    measured_on = ({key: window_ids(w) for key, w in sets.items()}, held_out.items, layers, inputs.options, runs,
+                   tokens, prefix.entries)
+
+    def baseline() -> tuple[PlanRow, dict]:
+        return measure.row(Candidate("baseline"), session=base_session, timed=False), prefix.states
+
+    base, prefix.states = saved.cached("baseline", measured_on, baseline)
     bar.set_postfix(baseline=f"{base.eval_ppl:.2f}")
     bar.update()
     table: list[PlanRow] = []
     for candidate in candidates:
-        table.append(measure.row(candidate))
+        table.append(saved.cached("row", (measured_on, candidate), lambda c=candidate: measure.row(c), meter=timed))
         best = min(table, key=lambda row: row.eval_ppl)
         bar.set_postfix(baseline=f"{base.eval_ppl:.2f}", best_held_out=f"{best.eval_ppl:.2f}")
         bar.update()

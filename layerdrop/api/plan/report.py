@@ -96,6 +96,7 @@ class PlanResult:
     timings: dict = field(default_factory=dict)  # structure -> {"base_ms", "ms"}: every timed run, in order
     sizing: list[dict] = field(default_factory=list)  # the structures a speedup budget's sizing measured
     planner_log: list[dict] = field(default_factory=list)
+    checkpoints: dict = field(default_factory=dict)  # "loaded", "computed": the work folder's entries, by this run
     notes: list[str] = field(default_factory=list)
 
     def record(self) -> dict:

@@ -1,0 +1,59 @@
+"""How closely a rewritten model follows the original: the KL divergence of its next-token distribution from the
+original's and how often the two agree on the most likely next token, on the same windows (no labels needed)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnxruntime as ort
+from tqdm import tqdm
+
+from layerdrop.runtime.feeds import prefill_feed
+
+
+@dataclass(frozen=True)
+class Fidelity:
+    """Mean KL(base || other) in nats per predicted token, the share of tokens whose top-1 next token agrees, and
+    the token count both are over."""
+
+    kl: float
+    top1: float
+    tokens: int
+
+    def as_dict(self) -> dict:
+        return {"kl": self.kl, "top1_agreement": self.top1, "tokens": self.tokens}
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    values = logits.astype(np.float64)
+    values -= values.max(axis=-1, keepdims=True)
+    return values - np.log(np.exp(values).sum(axis=-1, keepdims=True))
+
+
+def logit_divergence(base: np.ndarray, other: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per position of logits [..., vocab] from two models: KL(softmax(base) || softmax(other)) in nats (float64)
+    and whether their arg-max tokens agree."""
+    log_p, log_q = _log_softmax(base), _log_softmax(other)
+    kl = (np.exp(log_p) * (log_p - log_q)).sum(axis=-1)
+    return kl, base.argmax(axis=-1) == other.argmax(axis=-1)
+
+
+def next_token_fidelity(base: ort.InferenceSession, other: ort.InferenceSession, windows: np.ndarray, *,
+                        batch_size: int = 1, progress: bool = False) -> Fidelity:
+    """KL divergence of `other`'s next-token distribution from `base`'s, and their top-1 agreement, over every
+    position of token windows [n, seq] (real tokens, no padding) run through both sessions (their `logits`).
+
+    Use it for any pair of model folders that share a tokenizer: `make_session` each, draw held-out windows
+    (`api.common.windows_for(folder, None, role="eval", ...)`), and pass `windows.ids`.
+    """
+    total, agree, count = 0.0, 0, 0
+    for start in tqdm(range(0, len(windows), batch_size), desc="fidelity", unit="batch", disable=not progress,
+                      leave=False):
+        ids = windows[start:start + batch_size]
+        logits = [s.run(["logits"], prefill_feed(s, ids))[0] for s in (base, other)]
+        kl, same = logit_divergence(*logits)
+        total += float(kl.sum())
+        agree += int(same.sum())
+        count += kl.size
+    return Fidelity(total / count, agree / count, count)
