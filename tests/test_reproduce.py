@@ -15,6 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "reproduce.py"
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+pytestmark = pytest.mark.slow  # every section's quick form runs real commands: minutes on 2 cores
 
 
 def reproduce(*args: str) -> subprocess.CompletedProcess:

@@ -221,9 +221,10 @@ def task_row(outcomes: list) -> dict:
 
 
 def _retained(base: float, other: float, chance: float) -> dict:
-    nan = float("nan")
-    return {"retained": 100 * other / base if base else nan,
-            "chance_adjusted_retained": 100 * (other - chance) / (base - chance) if base != chance else nan}
+    """% retained and chance-adjusted % retained; None where the base leaves nothing to retain (a base at or below
+    chance has no skill above chance, and the ratio would only flip or explode)."""
+    return {"retained": 100 * other / base if base > 0 else None,
+            "chance_adjusted_retained": 100 * (other - chance) / (base - chance) if base > chance else None}
 
 
 def average_row(rows: list[dict]) -> dict:

@@ -86,7 +86,7 @@ def standard_tasks_table(report: dict) -> str:
                 + " ".join(f"{f'{s:.1f} ± {e:.1f}':>13}" for s, e in zip(row["scores"], row["stderrs"])))
         if two:
             difference = f"{row['difference']:+.1f} ± {row['difference_se']:.1f}"
-            line += f" {difference:>14} {row['retained']:>8.1f}% {row['chance_adjusted_retained']:>10.1f}%"
+            line += f" {difference:>14} {_percent(row['retained']):>9} {_percent(row['chance_adjusted_retained']):>11}"
         lines.append(line)
     lines.append("scores in %; metric: acc_norm for ARC, HellaSwag, OpenBookQA, PIQA, acc otherwise; the average "
                  "is the mean over tasks")
@@ -96,3 +96,8 @@ def standard_tasks_table(report: dict) -> str:
                      f" KL(base || other) {found['kl']:.4f} nats/token, top-1 agreement "
                      f"{100 * found['top1_agreement']:.1f}%")
     return "\n".join(lines)
+
+
+def _percent(value: float | None) -> str:
+    """A retained figure, or n/a where the base leaves nothing to retain."""
+    return "n/a" if value is None else f"{value:.1f}%"

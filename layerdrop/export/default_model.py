@@ -213,11 +213,6 @@ def default_model_folder() -> Path:
     return known_model_folder(DEFAULT_MODEL)
 
 
-def default_gguf_path() -> Path:
-    """The default model's GGUF file (fetched once)."""
-    return gguf_path(KNOWN_MODELS[DEFAULT_MODEL])
-
-
 def resolve_source(source: Path | None) -> Path:
     """A model source as given: an existing path, or a known model's name (None: the default model)."""
     if source is None:

@@ -56,8 +56,8 @@ def _interleaved(runners: list, runs: int, warmup: int | list[int]) -> list[list
     """Each runner's times (ms) over `runs` rounds that run them in turn, after `warmup` untimed runs of each (one
     count for all, or one per runner).
 
-    A newly built session's first timed run after a single warm-up was still 10-20% slow on this machine (SmolLM2 at
-    1024 tokens, 2 cores: 2194 ms against about 1830 after it; `benchmarks/timing_noise.py`); after two it is not."""
+    A newly built session's first timed run after a single warm-up is still measurably slow on CPU (its arena and
+    packed weights settle over the first runs); after two it is not."""
     counts = warmup if isinstance(warmup, list) else [warmup] * len(runners)
     for _ in range(max(counts, default=0)):
         for run, count in zip(runners, counts):
