@@ -14,7 +14,7 @@ ROOT = Path(layerdrop.__file__).parent
 LEVELS = {
     "layerdrop.errors": 0, "layerdrop.formats": 0,
     "layerdrop": 1, "layerdrop._lm_eval_hook": 1, "layerdrop.model_folder": 1, "layerdrop.windows": 1,
-    "layerdrop.checkpoints": 1, "layerdrop.task_data": 1,
+    "layerdrop.checkpoints": 1, "layerdrop.task_data": 1, "layerdrop.memory": 1,
     "layerdrop.export": 2, "layerdrop.passes": 2, "layerdrop.runtime": 2,
     "layerdrop.search": 3,
     "layerdrop.api": 4,
