@@ -6,7 +6,7 @@
 Each section runs the `layerdrop` commands a user would (printed as they run), keeps their outputs under
 --work, and writes what it measured to OUT/<model>/<section>.json with the machine, date, commit, the versions
 of layerdrop and ONNX Runtime, the commands, and the texts (file, hash, window starts) each figure used. The
-Markdown is rendered from those JSON files only: OUT/<model>.md, and the README's headline table between
+Markdown is rendered from those JSON files only: OUT/<model>/README.md, and the README's headline table between
 `<!-- results:<model> begin -->` and `<!-- results:<model> end -->`.
 
 Sections:
@@ -379,7 +379,8 @@ def stamp(data: dict, model: str, section: str) -> str:
 
 
 def render(out: Path, model: str, readme: Path) -> None:
-    """OUT/<model>.md from every section's JSON, and the README's table between its markers."""
+    """OUT/<model>/README.md from every section's JSON (beside it, so hand-kept pages under OUT are never
+    overwritten), and the README's table between its markers."""
     found = {s: read(out / model / f"{s}.json") for s in SECTIONS if (out / model / f"{s}.json").exists()}
     if not found:
         print(f"reproduce: no JSON under {out / model}; nothing to render", file=sys.stderr)
@@ -387,8 +388,9 @@ def render(out: Path, model: str, readme: Path) -> None:
     parts = [f"# Results: {model}", ""]
     for section, data in found.items():
         parts += [f"## {TITLES[section]}", "", RENDER[section](data), "", stamp(data, model, section), ""]
-    write_atomic(out / f"{model}.md", "\n".join(parts))
-    print(f"reproduce: wrote {out / f'{model}.md'}", file=sys.stderr)
+    page = out / model / "README.md"
+    write_atomic(page, "\n".join(parts))
+    print(f"reproduce: wrote {page}", file=sys.stderr)
     begin, end = f"<!-- results:{model} begin -->", f"<!-- results:{model} end -->"
     text = readme.read_text() if readme.exists() else ""
     if "pipeline" not in found or begin not in text or end not in text.split(begin, 1)[1]:

@@ -77,7 +77,7 @@ def test_every_section_writes_its_json_with_provenance_and_texts(measured):
 def test_the_pipeline_table_shows_the_json_numbers(measured):
     out, _, _ = measured
     r = json.loads((out / "smollm2" / "pipeline.json").read_text())["results"]
-    table = tables((out / "smollm2.md").read_text())[0]
+    table = tables((out / "smollm2" / "README.md").read_text())[0]
     columns = ("drop", "harp", "plan")
     for kind, label in (("eval", "perplexity, held-out prose"), ("docs", "perplexity, technical writing"),
                         ("code", "perplexity, code")):
@@ -103,7 +103,7 @@ def test_the_pipeline_table_shows_the_json_numbers(measured):
 def test_the_planner_tables_show_every_row_of_both_plans(measured):
     out, _, _ = measured
     r = json.loads((out / "smollm2" / "planner.json").read_text())["results"]
-    found = tables((out / "smollm2.md").read_text())[1:3]
+    found = tables((out / "smollm2" / "README.md").read_text())[1:3]
     for plan, table in zip((r["default"], r["speedup"]), found):
         rows = [m for m in plan["methods"] if not m.get("replaced_into")]
         assert len(table) == 2 + len(rows)  # the header, the baseline and every row
@@ -119,7 +119,7 @@ def test_the_planner_tables_show_every_row_of_both_plans(measured):
 def test_the_deploy_tables_show_both_pipelines_against_the_builder(measured):
     out, _, _ = measured
     r = json.loads((out / "smollm2" / "deploy.json").read_text())["results"]
-    found = {table[""][0].split(",")[0]: table for table in tables((out / "smollm2.md").read_text())}
+    found = {table[""][0].split(",")[0]: table for table in tables((out / "smollm2" / "README.md").read_text())}
     for name in ("fp32", "int4"):
         table = found[name]
         entry = r[name]["bench"]["prefill"][0]
@@ -149,7 +149,7 @@ def test_a_rerun_after_a_crash_runs_none_of_the_commands_already_done(measured):
     """A section whose JSON is missing (the run stopped before writing it) is measured again from the commands'
     outputs already in WORK: none of them is rewritten, and the figures are the same."""
     out, work, folder = measured
-    path, markdown = out / "smollm2" / "pipeline.json", out / "smollm2.md"
+    path, markdown = out / "smollm2" / "pipeline.json", out / "smollm2" / "README.md"
     kept, rendered = path.read_bytes(), markdown.read_bytes()
     outputs = {p: p.stat().st_mtime_ns for p in (work / "pipeline").glob("*.json")}
     assert len(outputs) >= 8
@@ -172,7 +172,7 @@ def test_render_only_replaces_the_text_between_the_markers_and_nothing_else(meas
     tail = "<!-- results:smollm2 end -->\n\n| another | table |\n|---|---|\n| 1 | 2 |\n"
     readme = tmp_path / "README.md"
     readme.write_text(head + "| an old | table |\n" + tail)
-    markdown = (out / "smollm2.md").read_bytes()
+    markdown = (out / "smollm2" / "README.md").read_bytes()
     json_files = {p: p.read_bytes() for p in (out / "smollm2").iterdir()}
     assert reproduce("--render-only", "--out", str(out), "--readme", str(readme)).returncode == 0
     text = readme.read_text()
@@ -181,7 +181,7 @@ def test_render_only_replaces_the_text_between_the_markers_and_nothing_else(meas
     assert len(inside) == 1
     cells = row(inside[0], "perplexity, held-out prose")
     assert numbers(cells[0]) == [round(r["eval"]["eval"]["base"]["perplexity"], 2)]
-    assert (out / "smollm2.md").read_bytes() == markdown, "the same JSON renders the same Markdown"
+    assert (out / "smollm2" / "README.md").read_bytes() == markdown, "the same JSON renders the same Markdown"
     assert {p: p.read_bytes() for p in (out / "smollm2").iterdir()} == json_files, "render-only measures nothing"
 
 

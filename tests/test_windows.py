@@ -366,7 +366,8 @@ def test_bos_windows_predict_every_text_token_and_never_the_bos(bos_model):
 
 @pytest.mark.parametrize("name", ["docs", "code", "prose", "dictionary"])
 def test_bundled_texts_of_other_kinds_are_named_like_files(name, tiny_tokenizer_file, tmp_path, monkeypatch):
-    """`--calib code` reads the bundled file; a file of that name in the working folder wins over the bundled one."""
+    """`--calib code` reads the bundled file, even where a file of that name is in the working folder (so a
+    checkout's own `docs/` cannot shadow the bundled docs); that file is read when given as a path."""
     folder = _folder_with(tmp_path, tiny_tokenizer_file)
     text = bundled_text(name).read_text(encoding="utf-8")
     assert len(text) > 150_000 and "\x00" not in text
@@ -376,7 +377,9 @@ def test_bundled_texts_of_other_kinds_are_named_like_files(name, tiny_tokenizer_
     assert all(tokenizer.decode(row.tolist()) in text for row in by_name.ids)
     monkeypatch.chdir(tmp_path)
     (tmp_path / name).write_text(TEXT[:30000])
-    mine = draw_windows(folder, name, role="calib", samples=4, seq_len=32)
+    still_bundled = draw_windows(folder, name, role="calib", samples=4, seq_len=32)
+    assert all(tokenizer.decode(row.tolist()) in text for row in still_bundled.ids)
+    mine = draw_windows(folder, Path(name), role="calib", samples=4, seq_len=32)
     assert all(tokenizer.decode(row.tolist()) in TEXT[:30000] for row in mine.ids)
 
 
