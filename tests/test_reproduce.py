@@ -191,4 +191,4 @@ def test_render_only_leaves_a_readme_without_markers_untouched_and_says_so_in_on
     readme.write_text("# A README without markers\n")
     result = reproduce("--render-only", "--out", str(out), "--readme", str(readme))
     assert result.returncode == 0 and readme.read_text() == "# A README without markers\n"
-    assert len([line for line in result.stderr.splitlines() if "README.md" in line]) == 1
+    assert len([line for line in result.stderr.splitlines() if str(readme) in line]) == 1
