@@ -1,8 +1,8 @@
 """Peak memory and disk of a heavy command, estimated before it starts, and the guard that refuses it in one line.
 
 Everything here is arithmetic on what a model's files state in their headers (safetensors tensor shapes, GGUF
-tensor infos, the size of ONNX external data): nothing is loaded, so a guard costs milliseconds. The limit is
-`--memory-limit`, else `$LAYERDROP_MEMORY_LIMIT`, else 16 GB (a 24 GB machine keeps room for the system).
+tensor infos, the shapes and types of ONNX initializers): no weight is loaded, so a guard costs milliseconds. The
+limit is `--memory-limit`, else `$LAYERDROP_MEMORY_LIMIT`, else 16 GB (a 24 GB machine keeps room for the system).
 """
 
 from __future__ import annotations
@@ -15,8 +15,12 @@ import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from layerdrop.errors import LayerdropError
+
+if TYPE_CHECKING:
+    import onnx_ir
 
 DEFAULT_LIMIT = 16 * 1000**3
 LIMIT_ENV = "LAYERDROP_MEMORY_LIMIT"
@@ -29,6 +33,14 @@ EXPORT_COPIES = 0.32
 # float32 export (7.1 GB of data) `score` peaks at 5.9 GB RSS and `eval --vs` (one session at a time) at 7.4 GB.
 SESSION_FACTOR = 1.0
 SESSION_MARGIN = 512 * 1000**2
+# ONNX Runtime's int4 quantizer reads every weight into memory and works on a protobuf copy of the model: `quantize`
+# on SmolLM2-135M's float32 export (0.54 GB of weights) peaks at 1.70 GB RSS, 2.8x the weights past the interpreter.
+QUANTIZE_COPIES = 3
+# A CPU session's arena keeps its largest run's activations, which the logits dominate (vocabularies are 30-100x the
+# hidden size). On SmolLM2-135M's float32 export (0.54 GB of weights, vocabulary 49,152), past its weights and 0.2 GB
+# of interpreter: `bench` against itself (two sessions) peaks at 1.58 GB RSS at 256 tokens and 2.85 GB at 1024, 3.0
+# and 4.3 float32 copies of a run's logits per session; `eval` at 256 tokens at 0.96 GB, 4.4 copies.
+ACTIVATION_COPIES = 4.5
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1}
@@ -166,6 +178,22 @@ def export_peak(parameters: int, dtype: str) -> int:
 def session_peak(data_bytes: int, sessions: int = 1) -> int:
     """Peak memory of `sessions` ONNX Runtime CPU sessions held at once on a model of `data_bytes` of weights."""
     return int(sessions * SESSION_FACTOR * data_bytes + SESSION_MARGIN)
+
+
+def activation_peak(tokens: int, vocabulary: int) -> int:
+    """Activations a CPU session keeps after a run of `tokens` tokens (batch x sequence) with this vocabulary."""
+    return int(ACTIVATION_COPIES * tokens * vocabulary * 4)
+
+
+def onnx_weight_bytes(model: onnx_ir.Model) -> dict[str, int]:
+    """Bytes of an ONNX graph's initializers (an onnx-ir model's) by element type ({"FLOAT": n, "UINT8": m, ...}),
+    from their shapes and types: an external tensor is not read."""
+    sizes: dict[str, int] = {}
+    for value in model.graph.initializers.values():
+        if value.const_value is not None:
+            name = value.const_value.dtype.name
+            sizes[name] = sizes.get(name, 0) + value.const_value.nbytes
+    return sizes
 
 
 def check_memory(estimate: int, limit: int, what: str, fits: str) -> None:

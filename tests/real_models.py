@@ -10,8 +10,9 @@ import torch
 import transformers
 
 import layerdrop
-from layerdrop.export.default_model import cache_dir, known_model_folder
+from layerdrop.export.default_model import known_model_folder
 from layerdrop.export.onnx_export import export_folder
+from layerdrop.paths import cache_dir
 
 
 def _export_key() -> str:

@@ -293,7 +293,8 @@ def test_plan_accuracy_column_matches_lm_eval_hf_model(exported, hf_folder, tmp_
 
     folder = exported("llama", True)
     result = api.plan(folder, tmp_path / "plan", budget="attn=1", samples=4, search_samples=2, eval_samples=2,
-                      seq_len=32, extra=1, moves="drop,bypass", accuracy_items=40, also_eval=[Path("code")],
+                      seq_len=32, extra=1, moves="drop,bypass", accuracy_items=40, validation_items=0,
+                      also_eval=[Path("code")],
                       progress=False).to_dict()
     items = result["accuracy_task"]
     assert result["accuracy_items"] == 40 and len(items) == 40

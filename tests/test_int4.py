@@ -24,7 +24,7 @@ from tests.torch_reference import VOCAB, hook_scores, logits, replaced
 pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install -e '.[genai]')")
 from tests.genai_helpers import genai_greedy, run_builder  # noqa: E402
 
-NO_TASK = ["--accuracy-items", "0"]  # plan without the accuracy column: the lm-eval task is tested once
+NO_TASK = ["--accuracy-items", "0", "--validation-items", "0"]  # no lm-eval items: those are tested once
 
 TOL = 1e-4
 

@@ -1,5 +1,5 @@
 """Issue 15: the code's layout holds. Imports go down only (cli -> api -> search -> {passes, runtime, export} ->
-{model_folder, windows} -> {formats, errors}), with no cycle, also through imports made inside functions; and
+{model_folder, windows} -> {formats, errors, paths}), with no cycle, also through imports made inside functions; and
 torch stays inside layerdrop.export."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import layerdrop
 
 ROOT = Path(layerdrop.__file__).parent
 LEVELS = {
-    "layerdrop.errors": 0, "layerdrop.formats": 0,
+    "layerdrop.errors": 0, "layerdrop.formats": 0, "layerdrop.paths": 0,
     "layerdrop": 1, "layerdrop._lm_eval_hook": 1, "layerdrop.model_folder": 1, "layerdrop.windows": 1,
     "layerdrop.checkpoints": 1, "layerdrop.task_data": 1, "layerdrop.memory": 1,
     "layerdrop.export": 2, "layerdrop.passes": 2, "layerdrop.runtime": 2,

@@ -13,7 +13,7 @@ import pytest
 from layerdrop import memory
 from layerdrop.cli import main
 from tests.gguf_files import TENSORS, write_gguf
-from tests.torch_reference import tiny_model
+from tests.torch_reference import VOCAB, tiny_model
 
 
 def _parameters(family: str) -> int:
@@ -76,3 +76,92 @@ def test_an_export_the_disk_cannot_hold_is_refused_before_it_starts(hf_folder, c
 @pytest.mark.parametrize("text, size", [("16GB", 16 * 1000**3), ("1.5GiB", 1_610_612_736), ("123", 123)])
 def test_sizes_read_with_decimal_and_binary_units(text, size):
     assert memory.parse_size(text) == size
+
+
+def _weight_bytes(folder) -> int:
+    """The folder's initializer bytes as numpy counts them, external data loaded."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(folder / "model.onnx"))
+    return sum(numpy_helper.to_array(tensor).nbytes for tensor in model.graph.initializer)
+
+
+def test_the_estimate_of_a_folder_is_session_peak_of_the_bytes_numpy_counts(exported, monkeypatch):
+    from layerdrop.api import guard_memory
+
+    folder = exported("llama", True)
+    monkeypatch.delenv(memory.LIMIT_ENV, raising=False)
+    for copies, tokens, extra in ((1, 0, 0), (2, 16, 1000)):
+        activations = copies * int(memory.ACTIVATION_COPIES * tokens * VOCAB * 4)  # float32 logits of each run
+        estimate = memory.session_peak(_weight_bytes(folder), copies) + activations + extra
+        guard_memory("a run", [folder], estimate, copies=copies, tokens=tokens, extra=extra)  # at the estimate: runs
+        with pytest.raises(memory.LayerdropError):
+            guard_memory("a run", [folder], estimate - 1, copies=copies, tokens=tokens, extra=extra)
+
+
+TOKENS = 16  # every run feeds one window of 16 tokens
+FAST = ["--samples", "2", "--seq-len", str(TOKENS), "--no-progress"]
+# command -> (its arguments after the model, ONNX Runtime sessions on the model at its peak, weight copies at its
+# peak, how many times the model is held at once, extra bytes, whether it writes -o)
+COMMANDS = {
+    "score": (["-o", "{out}", *FAST], 1, 1, 1, 0, True),
+    "drop": (["--attn", "1", "--iterative", "-o", "{out}", *FAST], 1, 1, 1, 0, True),
+    "harp": (["--top", "1", "--search", "-o", "{out}", *FAST], 1, 1, 1, 0, True),
+    "eval": (["--vs", "{model}", *FAST], 1, 1, 1, 0, False),
+    "bench": (["{model}", "--seq", str(TOKENS), "--runs", "1", "--decode", "2"], 1, 1, 2, 0, False),
+    "quantize": (["--block-size", "16", "-o", "{out}"], 0, memory.QUANTIZE_COPIES, 1, 0, True),
+    "fuse": (["-o", "{out}"], 0, 0, 1, 0, True),
+    "plan": (["--budget", "attn=1", "--moves", "drop", "--accuracy-items", "0", "--speedup-runs", "0",
+              "--validation-samples", "0", "--validation-items", "0",
+              "--search-samples", "2", "--eval-samples", "2", "--fit-samples", "2", "-o", "{out}", *FAST], 2, 2, 1,
+             "prefix", True),
+}
+
+
+def _argv(command: str, model, out) -> list[str]:
+    args = COMMANDS[command][0]
+    return [command, str(model), *(a.format(out=out, model=model) for a in args)]
+
+
+def _estimate(command: str, model) -> int:
+    """Weights times copies, plus each session's activations: ACTIVATION_COPIES float32 copies of a run's logits."""
+    from layerdrop.api.plan.measure import PREFIX_BYTES
+
+    _, sessions, copies, held, extra, _ = COMMANDS[command]
+    activations = held * sessions * int(memory.ACTIVATION_COPIES * TOKENS * VOCAB * 4)
+    return (memory.session_peak(held * _weight_bytes(model), copies) + activations
+            + (PREFIX_BYTES if extra == "prefix" else 0))
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_a_command_over_a_stated_memory_limit_is_refused_before_it_writes_anything(exported, command, capsys,
+                                                                                   tmp_path):
+    model = exported("llama", True)
+    capsys.readouterr()
+    argv = [*_argv(command, model, tmp_path / "out"), "--json", str(tmp_path / "report.json")]
+    code = main([*argv, "--memory-limit", str(_estimate(command, model) - 1)])
+    _refused_with_nothing_written(code, capsys.readouterr().err, tmp_path)
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_a_command_within_the_default_memory_limit_runs(exported, command, capsys, tmp_path, monkeypatch):
+    monkeypatch.delenv(memory.LIMIT_ENV, raising=False)
+    model = exported("llama", True)
+    capsys.readouterr()
+    code = main(_argv(command, model, tmp_path / "out"))
+    assert code == 0, capsys.readouterr().err
+    assert (tmp_path / "out" / "model.onnx").is_file() == COMMANDS[command][5]
+
+
+def test_where_a_float16_export_fits_a_refused_command_names_it_and_on_it_the_command_runs(hf_folder, exported,
+                                                                                          capsys, tmp_path):
+    model = exported("llama", True)
+    limit = _estimate("score", model) - 1
+    capsys.readouterr()
+    code = main(["score", str(model), *FAST, "--memory-limit", str(limit)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "--dtype float16" in err, err
+    assert main(["export", str(hf_folder("llama")), "-o", str(tmp_path / "f16"), "--dtype", "float16"]) == 0
+    assert _estimate("score", tmp_path / "f16") <= limit
+    assert main(["score", str(tmp_path / "f16"), *FAST, "--memory-limit", str(limit)]) == 0

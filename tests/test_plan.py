@@ -4,6 +4,7 @@ with figures equal to PyTorch's, and writes a model equal to the PyTorch referen
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from tests.helpers import ort_logits
 from tests.torch_reference import VOCAB, logits, tiny_model
 from tests.torch_reference import planned as planned_reference
 
-NO_TASK = ["--accuracy-items", "0"]  # plan without the accuracy column: the lm-eval task is tested once
+NO_TASK = ["--accuracy-items", "0", "--validation-items", "0"]  # no lm-eval items: those are tested once
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +147,7 @@ def test_fit_moves_plan_fitted_layers_equal_to_torch(exported, tmp_path, rng, pr
     report = tmp_path / "plan.json"
     code = main(["plan", *NO_TASK, str(folder), "-o", str(tmp_path / "model"), "--budget", "attn=2", "--samples", "4",
                  "--search-samples", "2", "--eval-samples", "2", "--seq-len", "32", "--moves", "fit",
-                 "--json", str(report), "--no-progress", *(["--fit-previous"] if previous else [])])
+                 "--json", str(report), "--no-progress", *([] if previous else ["--fit-per-token"])])
     assert code == 0
     result = json.loads(report.read_text())
     pick = result["pick"]
@@ -176,7 +177,7 @@ def test_self_samples_join_the_fits_calibration_windows_like_torch(exported, tmp
     report = tmp_path / "plan.json"
     code = main(["plan", *NO_TASK, str(folder), "-o", str(tmp_path / "model"), "--budget", "attn=2", "--samples", "4",
                  "--search-samples", "2", "--eval-samples", "2", "--seq-len", "32", "--moves", "fit",
-                 "--self-samples", "3", "--json", str(report), "--no-progress"])
+                 "--self-samples", "3", "--fit-per-token", "--json", str(report), "--no-progress"])
     assert code == 0
     result = json.loads(report.read_text())
     pick = result["pick"]
@@ -212,7 +213,8 @@ def test_the_fit_search_measures_each_layers_map_like_torch_and_adds_layers_gree
 
     folder = exported("llama", True)
     report = tmp_path / "plan.json"
-    code = main(["plan", *NO_TASK, str(folder), "-o", str(tmp_path / "model"), "--budget", "attn=2", "--samples", "4",
+    code = main(["plan", *NO_TASK, "--fit-per-token", str(folder), "-o", str(tmp_path / "model"),
+                 "--budget", "attn=2", "--samples", "4",
                  "--search-samples", "2", "--eval-samples", "2", "--seq-len", "32", "--moves", "fit", "--extra", "1",
                  "--json", str(report), "--no-progress"])
     assert code == 0
@@ -242,7 +244,8 @@ def test_the_planner_chooses_fit_drop_or_bypass_for_each_layer_like_torch(export
 
     folder = exported("llama", True)
     report = tmp_path / "plan.json"
-    code = main(["plan", *NO_TASK, str(folder), "-o", str(tmp_path / "model"), "--budget", "attn=2", "--samples",
+    code = main(["plan", *NO_TASK, "--fit-per-token", str(folder), "-o", str(tmp_path / "model"),
+                 "--budget", "attn=2", "--samples",
                  "16", "--search-samples", "2", "--eval-samples", "2", "--seq-len", "32", "--extra", "1",
                  "--per-layer-moves", "--json", str(report), "--no-progress"])
     assert code == 0
@@ -278,7 +281,8 @@ def test_a_search_text_makes_every_choice_and_the_estimates_stay_on_the_calibrat
 
     folder = exported("llama", True)
     report = tmp_path / "plan.json"
-    code = main(["plan", *NO_TASK, str(folder), "-o", str(tmp_path / "model"), "--budget", "attn=1", "--samples", "4",
+    code = main(["plan", *NO_TASK, "--fit-per-token", str(folder), "-o", str(tmp_path / "model"),
+                 "--budget", "attn=1", "--samples", "4",
                  "--search-samples", "2", "--eval-samples", "2", "--seq-len", "32", "--moves", "fit", "--extra", "1",
                  "--search-text", "docs", "--json", str(report), "--no-progress"])
     assert code == 0
@@ -530,7 +534,8 @@ def _speedup_plan(exported, tmp_path, monkeypatch, value: float):
     _fixed_speedups(monkeypatch, [])
     folder = exported("llama", True)
     report = tmp_path / "plan.json"
-    code = main(["plan", *NO_TASK, str(folder), "-o", str(tmp_path / "model"), "--budget", f"speedup={value}@32",
+    code = main(["plan", *NO_TASK, "--fit-per-token", str(folder), "-o", str(tmp_path / "model"), "--budget",
+                 f"speedup={value}@32",
                  "--moves", "blocks,fit", "--samples", "4", "--search-samples", "2", "--eval-samples", "2",
                  "--seq-len", "32", "--speedup-runs", "2", "--json", str(report)])
     assert code == 0
@@ -656,15 +661,70 @@ def test_speedup_sizing_finds_the_fewest_modules(curve):
 
 
 def test_under_a_speedup_budget_the_pick_must_reach_it_in_the_tables_timing():
-    """The pick is the lowest search perplexity among the rows whose measured speedup reaches the budget; where none
-    does, among all, with the reason."""
+    """Under a speedup budget the pick is made among the rows whose measured speedup reaches it; where none does,
+    among all, with the reason."""
     from layerdrop.api.plan import PlanRow, choose_pick
 
     def row(method: str, search_ppl: float, speedup: float) -> PlanRow:
         return PlanRow(method, {}, [], False, {}, [], None, None, [], 1.0, search_ppl, search_ppl, speedup=speedup)
 
+    base = row("baseline", 20.0, 1.0)
     rows = [row("fast, worse", 30.8, 1.34), row("best, just short", 26.5, 1.29), row("fastest, worst", 80.0, 1.37)]
-    assert choose_pick(rows, 1.333) == (rows[0], None)
-    assert choose_pick(rows, None) == (rows[1], None)  # no speedup budget: search perplexity alone
-    pick, short = choose_pick(rows, 1.5)
+    assert choose_pick(rows, base, "search", 1.333)[:2] == (rows[0], None)
+    assert choose_pick(rows, base, "search", None)[:2] == (rows[1], None)  # no speedup budget: all rows
+    pick, short, _ = choose_pick(rows, base, "search", 1.5)
     assert pick is rows[1] and "no row reached 1.5x" in short and "1.37x" in short
+
+
+def test_held_out_texts_that_share_a_file_name_keep_a_column_each(exported, tmp_path):
+    """Two --also-eval texts named alike (in different folders) are two columns, each labelled with its hash."""
+    from layerdrop.api.reports import plan_table
+
+    texts = []
+    for name, source in (("a", "docs"), ("b", "code")):
+        folder = tmp_path / name
+        folder.mkdir()
+        texts.append(folder / "notes.txt")
+        texts[-1].write_text((Path(__file__).parents[1] / "layerdrop" / "data" / f"{source}.txt").read_text())
+    report = tmp_path / "plan.json"
+    code = main(["plan", *NO_TASK, str(exported("llama", True)), "-o", str(tmp_path / "m"), "--budget", "attn=1",
+                 "--moves", "drop", "--samples", "4", "--search-samples", "2", "--eval-samples", "2", "--seq-len",
+                 "32", "--validation-samples", "0", "--also-eval", str(texts[0]), "--also-eval", str(texts[1]),
+                 "--json", str(report), "--no-progress"])
+    assert code == 0
+    result = json.loads(report.read_text())
+    labels = list(result["baseline"]["also_eval_ppl"])
+    assert len(labels) == 2 and all(label.startswith("notes.txt #") for label in labels)
+    values = result["baseline"]["also_eval_ppl"]
+    assert values[labels[0]] != values[labels[1]]
+    assert all(f"held-out ppl ({label})" in plan_table(result) for label in labels)
+
+
+def test_the_plan_report_names_what_went_which_texts_and_a_command_that_makes_the_same_plan(exported, tmp_path,
+                                                                                          capsys):
+    """The printed report (also plan-report.md in the output) lists the layers the written model lost, every text
+    the columns come from, how to run the output, and a command that, run again, writes the same pick."""
+    import shlex
+
+    folder = exported("llama", True)
+    args = ["--budget", "attn=2", "--moves", "drop", "--samples", "4", "--search-samples", "2", "--eval-samples",
+            "2", "--seq-len", "32", "--extra", "1", "--also-eval", "code", *NO_TASK, "--validation-samples", "2"]
+    capsys.readouterr()
+    assert main(["plan", str(folder), "-o", str(tmp_path / "first"), *args, "--json", str(tmp_path / "a.json"),
+                 "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    report = (tmp_path / "first" / "plan-report.md").read_text()
+    assert report.strip() in printed
+    first = json.loads((tmp_path / "a.json").read_text())
+    layers = sorted(int(k) for k in first["pick"]["alphas"])
+    assert f"attention layers {', '.join(map(str, layers))}: dropped" in report
+    assert "code.txt" in report and first["search_text"]["file"] in report and "model.onnx" in report
+    command = report.split("Reproduce:")[1].split("```sh")[1].split("```")[0].strip()
+    words = shlex.split(command)
+    assert words[:2] == ["layerdrop", "plan"]
+    words[words.index("-o") + 1] = str(tmp_path / "again")
+    assert main([*words[1:], "--json", str(tmp_path / "b.json"), "--no-progress"]) == 0
+    again = json.loads((tmp_path / "b.json").read_text())
+    untimed = [[{k: v for k, v in row.items() if k not in ("speedup", "speedup_runs")} for row in report["methods"]]
+               for report in (first, again)]
+    assert again["pick"]["alphas"] == first["pick"]["alphas"] and untimed[0] == untimed[1]

@@ -24,6 +24,7 @@ from layerdrop.cli import main
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = ["--budget", "attn=2", "--moves", "drop,bypass", "--search-text", "calib", "--samples", "4",
         "--search-samples", "2", "--eval-samples", "2", "--seq-len", "32", "--extra", "1", "--accuracy-items", "0",
+        "--validation-items", "0",
         "--speedup-runs", "2", "--threads", "1", "--no-progress"]
 # The killed run sleeps after each measured row, so that SIGKILL lands between rows whatever the machine's load.
 SLOW_ROWS = """
@@ -43,7 +44,8 @@ sys.exit(main(sys.argv[1:]))
 def _options(calib: str) -> dict:
     """The keyword arguments of `api.plan` that ARGS and `--calib calib` give on the command line."""
     return dict(budget="attn=2", moves="drop,bypass", search_text="calib", calib=calib, samples=4,
-                search_samples=2, eval_samples=2, seq_len=32, extra=1, accuracy_items=0, speedup_runs=2,
+                search_samples=2, eval_samples=2, seq_len=32, extra=1, accuracy_items=0, validation_items=0,
+                speedup_runs=2,
                 options=api.RunOptions(threads=1), progress=False)
 
 

@@ -63,7 +63,7 @@ def row(table: dict[str, list[str]], start: str) -> list[str]:
 
 def test_every_section_writes_its_json_with_provenance_and_texts(measured):
     out, _, folder = measured
-    for section in ("pipeline", "planner", "deploy"):
+    for section in ("pipeline", "planner", "criteria", "deploy"):
         data = json.loads((out / "smollm2" / f"{section}.json").read_text())
         assert data["args"]["source"] == str(folder) and data["args"]["quick"] is True
         assert re.fullmatch(r"[0-9a-f]{40}", data["commit"]) and re.fullmatch(r"[0-9a-f]{40}", data["head"])
@@ -103,7 +103,7 @@ def test_the_pipeline_table_shows_the_json_numbers(measured):
 def test_the_planner_tables_show_every_row_of_both_plans(measured):
     out, _, _ = measured
     r = json.loads((out / "smollm2" / "planner.json").read_text())["results"]
-    found = tables((out / "smollm2" / "README.md").read_text())[1:3]
+    found = [t for t in tables((out / "smollm2" / "README.md").read_text()) if t[""][0] == "method"][:2]
     for plan, table in zip((r["default"], r["speedup"]), found):
         rows = [m for m in plan["methods"] if not m.get("replaced_into")]
         assert len(table) == 2 + len(rows)  # the header, the baseline and every row
@@ -114,6 +114,21 @@ def test_the_planner_tables_show_every_row_of_both_plans(measured):
             assert numbers(cells[2]) == [round(method["search_ppl"], 2)]
             assert numbers(cells[3]) == [round(method["eval_ppl"], 2)]
             assert numbers(cells[1]) == ([] if method["speedup"] is None else [round(method["speedup"], 2)])
+
+
+def test_the_criteria_table_shows_the_row_each_criterion_picks_with_its_held_out_ratios(measured):
+    out, _, _ = measured
+    plan = json.loads((out / "smollm2" / "criteria.json").read_text())["results"]["prose"]
+    assert plan["search_text"]["file"] == "prose.txt" and plan["picks"][plan["criterion"]] == plan["pick"]["method"]
+    table = [t for t in tables((out / "smollm2" / "README.md").read_text())  # the planner's comes first
+             if t[""][:3] == ["row", "chosen by", "held-out ppl / baseline (eval.txt)"]][-1]
+    rows = {m["method"]: m for m in plan["methods"]}
+    base = plan["baseline"]
+    for method in set(plan["picks"].values()):
+        cells = table[method]  # a pick that is also the best paper row: its pick line comes last
+        chosen = {name.strip("*") for name in cells[0].split(", ") if not name.startswith("best paper")}
+        assert chosen <= set(plan["picks"]) and all(plan["picks"][name] == method for name in chosen)
+        assert numbers(cells[1]) == [round(rows[method]["eval_ppl"] / base["eval_ppl"], 3)]
 
 
 def test_the_deploy_tables_show_both_pipelines_against_the_builder(measured):

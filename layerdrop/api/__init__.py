@@ -8,7 +8,15 @@ and the searches, and writes a folder, as the matching CLI command does.
 
 from layerdrop.api.bench import bench
 from layerdrop.api.check import check
-from layerdrop.api.common import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, open_model, rewrite_passes, windows_for, write_json
+from layerdrop.api.common import (
+    DEFAULT_SAMPLES,
+    DEFAULT_SEQ_LEN,
+    guard_memory,
+    open_model,
+    rewrite_passes,
+    windows_for,
+    write_json,
+)
 from layerdrop.api.drop import drop
 from layerdrop.api.evaluate import evaluate, generate_text, harness
 from layerdrop.api.export import export
@@ -22,5 +30,5 @@ from layerdrop.api.score import score
 from layerdrop.runtime.session import RunOptions
 
 __all__ = ["DEFAULT_SAMPLES", "DEFAULT_SEQ_LEN", "RunOptions", "bench", "check", "drop", "evaluate", "export", "fuse",
-           "generate_text", "harness", "harp", "inspect", "open_model", "pipeline", "plan", "plot_scores", "quantize",
-           "rewrite_passes", "score", "windows_for", "write_json"]
+           "generate_text", "guard_memory", "harness", "harp", "inspect", "open_model", "pipeline", "plan",
+           "plot_scores", "quantize", "rewrite_passes", "score", "windows_for", "write_json"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from layerdrop import model_folder
+from layerdrop.api.common import guard_memory
 from layerdrop.errors import LayerdropError
 from layerdrop.formats import FUSIONS_KEY
 from layerdrop.passes.metadata import kv_bytes_per_token, removed_modules
@@ -12,16 +13,20 @@ from layerdrop.runtime.bench import compare
 from layerdrop.runtime.session import RunOptions
 
 
-def bench(base: Path, pruned: Path, *, seqs: tuple[int, ...] | None = None, batch: int = 1, runs: int = 5,
-          decode_tokens: int = 32, provider: str = "cpu", threads: int | None = None,
-          generation: tuple[int, int, int] | None = None, reference: Path | None = None) -> dict:
+def bench(base: Path, pruned: Path, *, seqs: tuple[int, ...] | None = None, runs: int = 5, decode_tokens: int = 32,
+          options: RunOptions = RunOptions(), generation: tuple[int, int, int] | None = None,
+          reference: Path | None = None, memory_limit: int | None = None) -> dict:
     """Prefill latency, decode speed, the profile-based ideal, memory, KV bytes per token and file bytes of two
-    folders (see `runtime.bench.compare`); default lengths 256,1024 on CPU and 512..4096 on CUDA. `generation`
+    folders (see `runtime.bench.compare`), run as `options` says (`options.batch_size` sequences a prefill); default
+    lengths 256,1024 on CPU and 512..4096 on CUDA. `generation`
     (batch, context, new tokens) adds the peak memory of generating with a cache that large. `reference` (a third
-    folder, e.g. onnxruntime-genai's builder graph of the same model) is timed in the same alternating runs.
+    folder, e.g. onnxruntime-genai's builder graph of the same model) is timed in the same alternating runs, so the
+    memory guard (`guard_memory`, `memory_limit`) counts a session on every folder at once, plus, for `generation`,
+    the base's KV cache of that size twice (the cache and the step's copy of it).
 
     Raises:
-        LayerdropError: either folder is not a readable model, or the generation run is longer than its context.
+        LayerdropError: either folder is not a readable model, the generation run is longer than its context, or
+            memory over the limit.
     """
     folders = [base, pruned] + ([reference] if reference is not None else [])
     graphs = [model_folder.load(folder)[1] for folder in folders]  # all are checked before any timing
@@ -33,14 +38,16 @@ def bench(base: Path, pruned: Path, *, seqs: tuple[int, ...] | None = None, batc
         if not all(kv_bytes_per_token(graph) for graph in graphs[:2]):
             raise LayerdropError("--generation-memory measures the KV cache; both models must be exported with "
                                  "one (layerdrop export without --no-kv-cache)")
-    seqs = seqs or ((512, 1024, 2048, 4096) if provider == "cuda" else (256, 1024))
+    cache = 2 * generation[0] * (generation[1] + generation[2]) * kv_bytes_per_token(graphs[0]) if generation else 0
+    seqs = seqs or ((512, 1024, 2048, 4096) if options.provider == "cuda" else (256, 1024))
+    guard_memory("bench", folders, memory_limit, tokens=options.batch_size * max(seqs), extra=cache)
     fused = any(FUSIONS_KEY in graph.metadata_props for graph in graphs[:2])
-    result = compare(base, pruned, seqs=seqs, batch=batch, runs=runs, decode_tokens=decode_tokens,
-                     provider=provider, threads=threads, generation=generation, reference=reference, ideal=not fused)
+    result = compare(base, pruned, seqs=seqs, runs=runs, decode_tokens=decode_tokens, options=options,
+                     generation=generation, reference=reference, ideal=not fused)
     result["kv_bytes_per_token"] = {name: kv_bytes_per_token(graph)
                                     for name, graph in zip(("base", "pruned", "reference"), graphs)}
     if fused:
-        _structural_ideal(result, base, *graphs[:2], RunOptions(result["provider"], threads))
+        _structural_ideal(result, base, *graphs[:2], RunOptions(result["provider"], options.threads))
     return result
 
 

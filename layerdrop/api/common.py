@@ -1,16 +1,18 @@
-"""What every command shares: opening a model for analysis, saving a rewritten one, windows, the rewrite pass
-list, JSON outputs."""
+"""What every command shares: the memory guard, opening a model for analysis, saving a rewritten one, windows, the
+rewrite pass list, JSON outputs."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import onnx
 import onnx_ir as ir
 
-from layerdrop import model_folder
+from layerdrop import memory, model_folder
+from layerdrop.api.export import BUILDER_INT4
 from layerdrop.errors import LayerdropError
 from layerdrop.formats import FUSION_NOTE_KEY, FUSIONS_KEY
 from layerdrop.passes.cleanup import cleanup_passes, run_passes
@@ -22,6 +24,52 @@ from layerdrop.windows import Sampling, Windows, draw_windows
 
 DEFAULT_SAMPLES = 64
 DEFAULT_SEQ_LEN = 256
+
+
+def guard_memory(command: str, folders: Sequence[Path | str], memory_limit: int | None, *, copies: int = 1,
+                 tokens: int = 0, extra: int = 0, quantizes: bool = False) -> None:
+    """Refuse `command` before it starts when its estimated peak memory is over the limit (`memory_limit` in bytes;
+    None: $LAYERDROP_MEMORY_LIMIT, else 16 GB). The estimate is `memory.session_peak` of `copies` copies of the
+    weights of all `folders` held at once (one per ONNX Runtime session; 0 for a command that streams them; with
+    `quantizes`, at least the int4 quantizer's `memory.QUANTIZE_COPIES`), each session's activations after a run of
+    `tokens` tokens (batch x sequence; `memory.activation_peak`), and `extra` bytes of cached state. The weights'
+    bytes come from the graphs' initializer shapes and types, without reading them. The refusal names what would
+    fit: a float16 export, else onnxruntime-genai's model builder int4 graph.
+
+    Raises:
+        LayerdropError: a folder without a readable model, or an estimate over the limit.
+    """
+    weights: dict[str, int] = {}
+    for path in folders:
+        model = model_folder.load(path)[1]
+        for kind, size in memory.onnx_weight_bytes(model).items():
+            weights[kind] = weights.get(kind, 0) + size
+        extra += copies * memory.activation_peak(tokens, _vocabulary(model, path))
+    limit = memory.memory_limit(memory_limit)
+    copies = max(copies, memory.QUANTIZE_COPIES) if quantizes else copies
+    total = sum(weights.values())
+    estimate = memory.session_peak(total, copies) + extra
+    if estimate <= limit:
+        return
+    halved = memory.session_peak(total - weights.get("FLOAT", 0) // 2, copies) + extra
+    floats = sum(weights.get(kind, 0) for kind in ("FLOAT", "FLOAT16", "BFLOAT16"))
+    if weights.get("FLOAT") and halved <= limit:
+        fits = ("its float16 export (layerdrop export MODEL -o OUT --dtype float16) would need about "
+                f"{memory.gigabytes(halved)}")
+    elif 2 * floats > total:
+        fits = f"what may fit is {BUILDER_INT4.format(folder='HF_FOLDER')}"
+    else:  # mostly packed int4 blocks already (MatMulNBits): no smaller form to offer
+        fits = "its weights are mostly int4 already; run it where more memory is free"
+    memory.check_memory(estimate, limit, f"{command} on {memory.gigabytes(total)} of weights", fits)
+
+
+def _vocabulary(model: ir.Model, path: Path | str) -> int:
+    """The logits' last dimension (the graph's, else config.json's vocab_size; 0 where neither states it)."""
+    for output in model.graph.outputs:
+        if output.name == "logits" and output.shape is not None and isinstance(output.shape[-1], int):
+            return output.shape[-1]
+    size = model_folder.config(model_folder.resolve(path).path).get("vocab_size")
+    return size if isinstance(size, int) else 0
 
 
 def open_model(path: Path) -> tuple[model_folder.ModelFolder, ir.Model]:

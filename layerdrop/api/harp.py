@@ -11,6 +11,7 @@ from layerdrop.api.common import (
     calibration_sha256,
     fusion_note,
     fusions,
+    guard_memory,
     int4_write_back,
     open_model,
     rewrite_passes,
@@ -38,33 +39,36 @@ def harp(
     samples: int = 8,
     seq_len: int = DEFAULT_SEQ_LEN,
     sampling: Sampling = Sampling(),
-    batch_size: int = 1,
-    provider: str = "cpu",
-    threads: int | None = None,
+    options: RunOptions = RunOptions(),
     force: bool = False,
     progress: bool = True,
     fuse: bool = False,
     quantize: str | None = None,
     keep_float: bool = False,
+    memory_limit: int | None = None,
 ) -> dict:
     """Replace attention by the rescaled V·O map (SPEC §4) in chosen layers, and write the folder.
 
     Either explicit `alphas` (layer -> alpha), or `top` K layers with `search` (greedy, top-down, over
     {0, 0.1, ..., 1}, by perplexity on search windows of `search_text`, default the bundled calibration text), or
-    `top` K with alpha = 1. On an int4 graph (MatMulNBits) V and O are read back exactly, the V·O matrix is
-    computed in float64 and written back as MatMulNBits at the graph's block size, unless `keep_float`.
+    `top` K with alpha = 1; the search runs as `options` says. On an int4 graph (MatMulNBits) V and O are read
+    back exactly, the V·O matrix is computed in float64 and written back as MatMulNBits at the graph's block size,
+    unless `keep_float`. An estimated peak memory (the search's session, the quantizer's copies of the weights) over
+    `memory_limit` is refused before anything is written (`guard_memory`).
 
     Returns:
         {"alphas": {...}, "trials": [...], "search_seconds": s, "kv_layers": [...], "fusions": {...}}
 
     Raises:
-        LayerdropError: no or conflicting selection, bad layers or alphas.
+        LayerdropError: no or conflicting selection, bad layers or alphas, or memory over the limit.
     """
     if bool(alphas) == (top is not None):
         raise LayerdropError("say which layers: either --alpha LAYER=A,... or --top K (with --search)")
     if search and top is None:
         raise LayerdropError("--search goes with --top K")
     folder, model = open_model(model_path)
+    guard_memory("harp", [folder.path], memory_limit, copies=int(search), tokens=options.batch_size * seq_len,
+                 quantizes=quantize is not None or bool(int4_write_back(model, keep_float)))
     model_folder.reserve_output(Path(out_dir), inputs=[folder.path], force=force)
     attention = sorted(r.layer for r in annotated_regions(model) if r.kind == "attn")
     if not attention:
@@ -81,7 +85,7 @@ def harp(
                                   sampling=sampling, calibration_sha256=calibration_sha256(model))
             start = time.perf_counter()
             found = greedy_alpha_search(model, folder.path, windows.ids, layers, progress=progress,
-                                        options=RunOptions(provider, threads, batch_size))
+                                        options=options)
             seconds = time.perf_counter() - start
             alphas, trials = found.alphas, found.trials
             write_json(model.metadata_props, HARP_SEARCH_KEY,

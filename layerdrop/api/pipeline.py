@@ -30,6 +30,7 @@ from layerdrop.api.score import score
 from layerdrop.errors import LayerdropError
 from layerdrop.model_folder import write_atomically
 from layerdrop.passes.quantize_int4 import DEFAULT_ACCURACY_LEVEL
+from layerdrop.runtime.session import RunOptions
 from layerdrop.windows import Sampling, TextSource, resolve_text
 
 STAMP = "layerdrop-stage.json"
@@ -78,9 +79,7 @@ def pipeline(
     bench_seq: tuple[int, ...] = (256, 1024),
     bench_runs: int = 5,
     sampling: Sampling = Sampling(),
-    batch_size: int = 1,
-    provider: str = "cpu",
-    threads: int | None = None,
+    options: RunOptions = RunOptions(),
     resume: bool = False,
     force: bool = False,
     progress: bool = True,
@@ -90,14 +89,16 @@ def pipeline(
 ) -> dict:
     """Run the whole pipeline; returns the report (also written to OUTDIR/report.json, and as `pipeline_summary`
     to OUTDIR/report.md): the side-by-side figures, the layers removed (read back from the output model), the texts
-    the figures come from, a snippet that runs the output, and the command that reproduces the run.
+    the figures come from, a snippet that runs the output, the command that reproduces the run, and `notes` for the
+    user (e.g. why the bench has no builder column).
 
     With no selection, drops about a quarter of the attention layers by score. With `fuse` (the default) the
     rewritten model is written fused for ONNX Runtime, and the bench's base is the export fused the same way
     (OUTDIR/bench-base; quantized too with `quantize`), so the speedup and the perplexity ratio are the rewrite's
     alone. With `builder` and onnxruntime-genai installed, onnxruntime-genai's model builder graph of the same
     Hugging Face model (OUTDIR/builder; fp32, or int4 with `quantize`) is timed as a third column: what the user
-    would have shipped without layerdrop.
+    would have shipped without layerdrop. Every stage runs with `options`' provider and threads; its batch size is
+    the search's and the evaluation's (the score stage and the bench run one sequence a run).
 
     Raises:
         LayerdropError: conflicting selections, or an OUTDIR that holds other files without --force/--resume.
@@ -110,6 +111,7 @@ def pipeline(
     out_dir.mkdir(parents=True, exist_ok=True)
     exported, scored, pruned = out_dir / "export", out_dir / "scored", out_dir / "pruned"
     redo = not resume
+    one_a_run = RunOptions(options.provider, options.threads)
 
     source = Path(model) if model else None
     key = _fingerprint("export", str(source.resolve()) if source else "default")
@@ -126,8 +128,8 @@ def pipeline(
     key = _fingerprint("score", _stamp_of(exported) or str(exported), _file_digest(calib), samples, seq_len,
                        sampling)
     redo |= _stage("score", scored, key, resume and not redo, lambda: score(
-        exported, scored, calib=calib, samples=samples, seq_len=seq_len, sampling=sampling, provider=provider,
-        threads=threads, force=True, progress=progress))
+        exported, scored, calib=calib, samples=samples, seq_len=seq_len, sampling=sampling,
+        options=one_a_run, force=True, progress=progress))
 
     scored_info = inspect(scored)
     layers, scored_calibration = int(scored_info["regions"][-1]["layer"]) + 1, scored_info["calibration"]
@@ -135,9 +137,8 @@ def pipeline(
         method = f"harp-{harp_top}"
         key = _fingerprint("harp", _stamp_of(scored), harp_top, _file_digest(calib), sampling, fuse, quantized)
         _stage(method, pruned, key, resume and not redo, lambda: harp(
-            scored, pruned, top=harp_top, search=True, search_text=calib, sampling=sampling, batch_size=batch_size,
-            provider=provider,
-            threads=threads, force=True, progress=progress, fuse=fuse, quantize=quantize))
+            scored, pruned, top=harp_top, search=True, search_text=calib, sampling=sampling, options=options,
+            force=True, progress=progress, fuse=fuse, quantize=quantize))
     else:
         counts = {"joint": joint} if joint is not None else {"attn": attn if attn is not None else max(1, layers // 4)}
         method = "-".join(f"{k}-{v}" for k, v in counts.items())
@@ -152,16 +153,17 @@ def pipeline(
         _stage("bench base", bench_base, key, resume and not redo,
                lambda: _written_like_the_output(exported, bench_base, fuse, quantize))
     precision = "int4" if quantize else "fp32"
-    reference = _builder_stage(source, out_dir / "builder", resume, precision) if builder else None
+    notes: list[str] = []  # for the user
+    reference = _builder_stage(source, out_dir / "builder", resume, precision, notes) if builder else None
 
     print("[eval] ...", file=sys.stderr)
     quality = [evaluate(folder, text=eval_text, samples=eval_samples, seq_len=seq_len, sampling=sampling,
-                        batch_size=batch_size, provider=provider, threads=threads, progress=progress)
+                        options=options, progress=progress)
                for folder in (bench_base, pruned)]
     print("[bench] ...", file=sys.stderr)
     from layerdrop.api.bench import bench
 
-    speed = bench(bench_base, pruned, seqs=bench_seq, runs=bench_runs, provider=provider, threads=threads,
+    speed = bench(bench_base, pruned, seqs=bench_seq, runs=bench_runs, options=one_a_run,
                   reference=reference)
     removed = inspect(pruned)["removed"]  # read back from the output, so the report says what the file holds
     runtime, snippet = run_snippet(pruned)
@@ -170,15 +172,16 @@ def pipeline(
         "--samples": _unless(samples, DEFAULT_SAMPLES), "--seq-len": _unless(seq_len, DEFAULT_SEQ_LEN),
         "--eval-samples": _unless(eval_samples, 32), "--seq": _unless(tuple(bench_seq), (256, 1024)),
         "--runs": _unless(bench_runs, 5), "--seed": _unless(sampling.seed, 0), "--from-start": sampling.from_start,
-        "--text-field": _unless(sampling.text_field, "text"), "--batch-size": _unless(batch_size, 1),
-        "--provider": _unless(provider, "cpu"), "--threads": threads, "--no-fuse": not fuse,
+        "--text-field": _unless(sampling.text_field, "text"), "--batch-size": _unless(options.batch_size, 1),
+        "--provider": _unless(options.provider, "cpu"), "--threads": options.threads, "--no-fuse": not fuse,
         "--no-builder": not builder, "--quantize": quantize})
     report = {"method": method, "base": str(exported), "bench_base": str(bench_base), "fused": fuse,
               "pruned": str(pruned), "reference": str(reference) if reference else None,
               "reference_label": f"builder {precision}", "quality": quality, "bench": speed,
               "removed": removed, "removed_by_kind": removed_by_kind(removed),
               "texts": {"calibration": scored_calibration, "eval": quality[0]["text"]},
-              "run": {"runtime": runtime, "folder": str(pruned), "python": snippet}, "reproduce": command}
+              "run": {"runtime": runtime, "folder": str(pruned), "python": snippet}, "reproduce": command,
+              "notes": notes}
     write_json(report, out_dir / "report.json")
     write_atomically(out_dir / "report.md", pipeline_summary(report) + "\n")
     return report
@@ -199,10 +202,10 @@ def _written_like_the_output(exported: Path, folder: Path, fuse: bool, quantize:
     save_model(model, folder, source, force=True)
 
 
-def _builder_stage(source: Path | None, folder: Path, resume: bool, precision: str) -> Path | None:
+def _builder_stage(source: Path | None, folder: Path, resume: bool, precision: str, notes: list[str]) -> Path | None:
     """onnxruntime-genai's builder graph (`-p precision -e cpu`, the builder's other defaults) of the source's
-    Hugging Face folder; None where onnxruntime-genai is not installed, or (with a note on stderr) where the source
-    has no Hugging Face folder or the builder's graph cannot be built or run."""
+    Hugging Face folder; None where onnxruntime-genai is not installed, or (with a line appended to `notes`) where
+    the source has no Hugging Face folder or the builder's graph cannot be built or run."""
     from layerdrop.export.builder import builder_available, run_builder
     from layerdrop.export.default_model import resolve_source
 
@@ -210,14 +213,14 @@ def _builder_stage(source: Path | None, folder: Path, resume: bool, precision: s
         return None
     hf_folder = resolve_source(source)
     if not (hf_folder.is_dir() and (hf_folder / "config.json").is_file()) or (hf_folder / "model.onnx").exists():
-        print(f"[builder] no Hugging Face folder for {hf_folder}; the bench has no builder column", file=sys.stderr)
+        notes.append(f"no Hugging Face folder for {hf_folder}; the bench has no builder column")
         return None
     key = _fingerprint("builder", str(hf_folder.resolve()), precision)
     try:
         _stage("builder", folder, key, resume, lambda: run_builder(hf_folder, folder, precision=precision))
         _runs_a_prefill(folder)
     except LayerdropError as error:
-        print(f"[builder] {error}; the bench has no builder column", file=sys.stderr)
+        notes.append(f"{error}; the bench has no builder column")
         return None
     return folder
 

@@ -5,21 +5,24 @@ from __future__ import annotations
 from pathlib import Path
 
 from layerdrop import model_folder
-from layerdrop.api.common import quantize_pass, save_model
+from layerdrop.api.common import guard_memory, quantize_pass, save_model
 from layerdrop.passes.cleanup import run_passes
 
 
 def quantize(model_path: Path, out_dir: Path, *, kind: str = "int4", block_size: int = 32,
-             accuracy_level: int | None = None, force: bool = False) -> dict:
-    """Write `model_path` with int4 weights to `out_dir` (after any rewrite: remove first, then quantize).
+             accuracy_level: int | None = None, force: bool = False, memory_limit: int | None = None) -> dict:
+    """Write `model_path` with int4 weights to `out_dir` (after any rewrite: remove first, then quantize). An
+    estimated peak memory (the quantizer's copies of the weights) over `memory_limit` is refused first.
 
     Returns:
         {"matmul_nbits": count, "bytes": {"before", "after"}}
 
     Raises:
-        LayerdropError: a bad model folder, an unknown kind, or a refused output.
+        LayerdropError: a bad model folder, an unknown kind, a refused output, or memory over the limit.
     """
     from layerdrop.runtime.bench import model_bytes
+
+    guard_memory("quantize", [model_path], memory_limit, copies=0, quantizes=True)
 
     folder, model = model_folder.load(model_path)
     model_folder.reserve_output(Path(out_dir), inputs=[folder.path], force=force)

@@ -4,6 +4,7 @@ run the output, and the command that reproduces it."""
 
 from __future__ import annotations
 
+import math
 import shlex
 from pathlib import Path
 
@@ -28,7 +29,10 @@ def removed_lines(removed: list[dict]) -> list[str]:
         return ["nothing removed"]
     groups: dict[tuple[str, str], list[dict]] = {}
     for entry in removed:
-        groups.setdefault((entry["kind"], entry.get("how", "drop")), []).append(entry)
+        how = entry.get("how", "drop")
+        if how == "harp" and not entry.get("alpha") and not entry.get("shift"):  # alpha 0 writes what a drop does
+            how = "drop"
+        groups.setdefault((entry["kind"], how), []).append(entry)
     lines = []
     for kind in removed_by_kind(removed):
         for (group_kind, how), entries in groups.items():
@@ -61,8 +65,9 @@ def describe_text(role: str, source: dict) -> str:
     if layout == "spread" and "seed" in source:
         layout += f", seed {source['seed']}"
     field = f", JSON field {source['text_field']}" if source.get("text_field") else ""
-    return (f"{role}: {source.get('file') or 'text'} (SHA-256 {(source.get('sha256') or '?')[:12]}, "
-            f"{source.get('samples', '?')} windows of {source.get('seq_len', '?')} tokens, {layout}{field})")
+    digest = f"SHA-256 {source['sha256'][:12]}, " if source.get("sha256") else ""
+    return (f"{role}: {source.get('file') or 'text'} ({digest}{source.get('samples', '?')} windows of "
+            f"{source.get('seq_len', '?')} tokens, {layout}{field})")
 
 
 def describe_items(count: int, source: dict) -> str:
@@ -169,14 +174,18 @@ def plan_table(result: dict) -> str:
     the other held-out texts' perplexity and the task accuracy (retained % of the baseline, and its difference
     from the baseline's with the standard error of that difference over the same items) where measured."""
     also = result.get("also_eval_texts", [])
-    others = [text["file"] for text in also]
+    others = text_labels(also)
     accuracy = bool(result.get("accuracy_items"))
     speed = result.get("speedup_tokens")
     searched, held = result.get("search_text") or {}, result.get("eval_text") or {}
     search_label, held_label, *other_labels = text_labels([searched, held, *also])
     search = f"search ppl ({search_label})" if searched.get("file") else "search ppl"
     held_out = f"held-out ppl ({held_label})" if held.get("file") else "held-out ppl"
-    head = (["KV kept"] + ([f"prefill speedup at {speed} tokens"] if speed else []) + [search, held_out]
+    kinds = list(result.get("validation_texts") or {})
+    items = result.get("validation_items") or 0
+    validation = ([f"validation ppl / baseline's (geometric mean over {len(kinds)} kinds)"] if kinds else []) + (
+        [f"validation tasks, {3 * items} items, %"] if items else [])
+    head = (["KV kept"] + ([f"prefill speedup at {speed} tokens"] if speed else []) + [search, *validation, held_out]
             + [f"held-out ppl ({label})" for label in other_labels]
             + ([f"accuracy, {result['accuracy_items']} items (retained)",
                 "accuracy against the baseline, points (± paired SE)"] if accuracy else []))
@@ -187,7 +196,14 @@ def plan_table(result: dict) -> str:
     def cells(row: dict, measured: bool) -> str:
         values = [f"{row['kv_kept']:.3f}" if measured else "1.000"]
         values += [f"{row['speedup']:.2f}x" if measured and "speedup" in row else "1.00x"] if speed else []
-        values += [f"{row['search_ppl']:.2f}", f"{row['eval_ppl']:.2f}"]
+        values.append(f"{row['search_ppl']:.2f}")
+        if kinds:
+            base = result["baseline"]["validation_ppl"]
+            ratio = math.exp(sum(math.log(row["validation_ppl"][k] / base[k]) for k in kinds) / len(kinds))
+            values.append(f"{ratio:.3f}")
+        if items:
+            values.append(f"{100 * row['validation_accuracy']:.1f}")
+        values.append(f"{row['eval_ppl']:.2f}")
         values += [f"{row['also_eval_ppl'][name]:.2f}" for name in others]
         if accuracy:
             share = f" ({row['accuracy_retained']:.1f}%)" if measured and row.get("accuracy_retained") else ""
@@ -203,6 +219,17 @@ def plan_table(result: dict) -> str:
             name += " (outside --moves)"
         lines.append(f"| {name} | {_moves_cell(row)} | {cells(row, True)} |")
     return "\n".join(lines)
+
+
+def plan_picks(result: dict) -> str:
+    """Which row the plan's criterion picked, and what each other criterion would have picked among the same
+    rows."""
+    criterion = result.get("criterion", "search")
+    others = {name: method for name, method in (result.get("picks") or {}).items() if name != criterion}
+    line = f"pick ({criterion}): {result['pick']['method']}"
+    if others:
+        line += "; by the other criteria: " + "; ".join(f"{name}: {method}" for name, method in others.items())
+    return line
 
 
 def _moves_cell(row: dict) -> str:
@@ -234,4 +261,30 @@ def pipeline_summary(report: dict) -> str:
     run = report["run"]
     lines += ["", f"Run it with {run['runtime']}:", "", "```python", run["python"], "```", "",
               "Reproduce:", "", "```sh", report["reproduce"], "```"]
+    return "\n".join(lines)
+
+
+def plan_summary(result: dict) -> str:
+    """The plan's report as Markdown (its report.md in the output folder, and what the command prints): the table,
+    the pick and what each criterion would pick, what the written model removed, the texts and items every column
+    comes from, how to run the output, and the command that reproduces it."""
+    lines = [plan_table(result), "", plan_picks(result), "", "Removed (read from the written model's metadata):"]
+    lines += [f"- {line}" for line in removed_lines(result.get("removed") or [])]
+    lines += ["", "Texts and items:", "- " + describe_text("search (every choice)", result["search_text"])]
+    for kind, source in (result.get("validation_texts") or {}).items():
+        lines.append("- " + describe_text(f"validation ({kind})", source))
+    if result.get("validation_items"):
+        lines.append(f"- validation tasks: the first {result['validation_items']} items of each of ARC-Easy, "
+                     "ARC-Challenge and OpenBookQA (their validation splits; never the reported test items)")
+    lines.append("- " + describe_text("held-out", result["eval_text"]))
+    lines += ["- " + describe_text("held-out", source) for source in result.get("also_eval_texts", [])]
+    if result.get("accuracy_items"):
+        lines.append("- " + describe_items(result["accuracy_items"], result["eval_text"]))
+    if result.get("fit_text"):
+        lines.append("- " + describe_text("fits' calibration", result["fit_text"]))
+    run = result.get("run") or {}
+    if run:
+        lines += ["", f"Run it with {run['runtime']}:", "", "```python", run["python"], "```"]
+    if result.get("reproduce"):
+        lines += ["", "Reproduce:", "", "```sh", result["reproduce"], "```"]
     return "\n".join(lines)

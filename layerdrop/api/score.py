@@ -6,7 +6,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from layerdrop import model_folder
-from layerdrop.api.common import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, open_model, save_model, windows_for
+from layerdrop.api.common import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, guard_memory, open_model, save_model, windows_for
 from layerdrop.passes.attach_scores import AttachScoresPass
 from layerdrop.passes.cleanup import run_passes
 from layerdrop.runtime.session import RunOptions
@@ -23,27 +23,29 @@ def score(
     samples: int = DEFAULT_SAMPLES,
     seq_len: int = DEFAULT_SEQ_LEN,
     sampling: Sampling = Sampling(),
-    batch_size: int = 1,
-    provider: str = "cpu",
-    threads: int | None = None,
+    options: RunOptions = RunOptions(),
     force: bool = False,
     progress: bool = True,
     compare: Path | None = None,
     top_n: int = 8,
+    memory_limit: int | None = None,
 ) -> dict:
     """Score every module of a model on calibration text; write the scored folder if `out_dir` is given; with
     `compare`, score on that text too and report how many of the `top_n` lowest modules the rankings share.
+    `options` says how ONNX Runtime runs the graph (`options.batch_size` windows a run). An estimated peak memory
+    (one ONNX Runtime session) over `memory_limit` is refused first (`guard_memory`).
 
     Returns:
         {"calibration": {...}, "regions": [{"layer", "kind", "score", "norm_ratio"}, ...], "compare"?: {...}}
 
     Raises:
-        LayerdropError: bad model or text, or an output that would overwrite something.
+        LayerdropError: bad model or text, an output that would overwrite something, or memory over the limit.
     """
+    guard_memory("score", [model_path], memory_limit, tokens=options.batch_size * seq_len)
     folder, model = open_model(model_path)
     if out_dir is not None:
         model_folder.reserve_output(Path(out_dir), inputs=[folder.path], force=force)
-    measure = {"options": RunOptions(provider, threads, batch_size), "progress": progress}
+    measure = {"options": options, "progress": progress}
     windows = windows_for(folder.path, calib, role="calib", samples=samples, seq_len=seq_len, sampling=sampling)
     scores = compute_scores(model, folder.path, windows, **measure)
     result = {"calibration": windows.source, "regions": [asdict(s) for s in scores]}

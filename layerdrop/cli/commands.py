@@ -15,8 +15,9 @@ def _progress(args) -> bool:
     return not getattr(args, "no_progress", False)
 
 
-def _runtime(args) -> dict:
-    return {"provider": args.provider, "threads": args.threads}
+def _options(args, batch_size: int = 1) -> api.RunOptions:
+    """The command's provider and threads, with `batch_size` windows (or sequences) a run."""
+    return api.RunOptions(args.provider, args.threads, batch_size)
 
 
 def cmd_export(args) -> int:
@@ -28,8 +29,8 @@ def cmd_export(args) -> int:
 
 def cmd_score(args) -> int:
     result = api.score(args.model, args.output, calib=args.calib, samples=args.samples, seq_len=args.seq_len,
-                       sampling=sampling(args), batch_size=args.batch, force=args.force, progress=_progress(args),
-                       compare=args.compare, top_n=args.top_n, **_runtime(args))
+                       sampling=sampling(args), options=_options(args, args.batch), force=args.force,
+                       progress=_progress(args), compare=args.compare, top_n=args.top_n, memory_limit=args.memory_limit)
     print_scores(result["regions"])
     if "compare" in result:
         c = result["compare"]
@@ -73,8 +74,8 @@ def cmd_drop(args) -> int:
     counts = {k: getattr(args, k) for k in ("attn", "mlp", "block", "joint")}
     result = api.drop(args.model, args.output, targets=targets, counts=counts, iterative=args.iterative,
                       calib=args.calib, samples=args.samples, seq_len=args.seq_len, sampling=sampling(args),
-                      force=args.force, progress=_progress(args), fuse=args.fuse, quantize=args.quantize,
-                      **_runtime(args))
+                      options=_options(args), force=args.force, progress=_progress(args), fuse=args.fuse,
+                      quantize=args.quantize, memory_limit=args.memory_limit)
     names = ", ".join(f"{e['kind']}:{e['layer']}" for e in result["dropped"])
     print(f"dropped {names}; nodes {result['nodes']['before']} -> {result['nodes']['after']}; written to {args.output}")
     print_fusions(result["fusions"], args.fuse, result.get("fusion_note"))
@@ -86,9 +87,9 @@ def cmd_drop(args) -> int:
 def cmd_harp(args) -> int:
     result = api.harp(args.model, args.output, alphas=args.alpha, top=args.top, search=args.search,
                       search_text=args.search_text, samples=args.samples, seq_len=args.seq_len,
-                      sampling=sampling(args), batch_size=args.batch_size, force=args.force,
+                      sampling=sampling(args), options=_options(args, args.batch_size), force=args.force,
                       progress=_progress(args), fuse=args.fuse, quantize=args.quantize, keep_float=args.keep_float,
-                      **_runtime(args))
+                      memory_limit=args.memory_limit)
     print_fusions(result["fusions"], args.fuse, result.get("fusion_note"))
     alphas = ", ".join(f"{layer}={alpha:g}" for layer, alpha in sorted(result["alphas"].items(), reverse=True))
     searched = f" (searched in {result['search_seconds']:.0f} s)" if result["trials"] else ""
@@ -99,11 +100,15 @@ def cmd_harp(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    folders = [args.model] + ([args.vs] if args.vs else [])
+    tokens = 0 if args.tasks else (args.batch or 1) * args.seq_len  # a task's prompt lengths are its own
+    for folder in folders:  # one model's session at a time; every one is checked before any is evaluated
+        api.guard_memory("eval", [folder], args.memory_limit, tokens=tokens)
     if args.tasks:
         return _eval_tasks(args)
-    folders = [args.model] + ([args.vs] if args.vs else [])
     results = [api.evaluate(f, text=args.text, samples=args.samples, seq_len=args.seq_len, sampling=sampling(args),
-                            batch_size=args.batch or 1, progress=_progress(args), **_runtime(args))
+                            options=_options(args, args.batch or 1), progress=_progress(args),
+                            memory_limit=args.memory_limit)
                for f in folders]
     for folder, result in zip(folders, results):
         bos = ", each window after a BOS" if result["text"].get("bos") else ""
@@ -115,7 +120,7 @@ def cmd_eval(args) -> int:
     if args.prompt:
         report["generations"] = []
         for folder in folders:
-            text = api.generate_text(folder, args.prompt, args.max_new_tokens, provider=args.provider)
+            text = api.generate_text(folder, args.prompt, args.max_new_tokens, options=_options(args))
             report["generations"].append({"path": str(folder), "text": text})
             print(f"--- {folder}\n{args.prompt}{text}")
     if args.json:
@@ -135,7 +140,8 @@ def _eval_tasks(args) -> int:
     for folder in folders:
         model_folder.load(folder)  # both folders are checked before minutes of evaluation
     results = [api.harness(f, tasks, limit=args.limit, include_path=args.include_path, num_fewshot=args.num_fewshot,
-                           batch_size=args.batch or 8, provider=args.provider, progress=_progress(args))
+                           options=_options(args, args.batch or 8), progress=_progress(args),
+                           memory_limit=args.memory_limit)
                for f in folders]
     text, rows = harness_table([str(f) for f in folders], results)
     print(text)
@@ -160,12 +166,14 @@ def _eval_standard_tasks(args, tasks: list[str], folders: list) -> int:
     from layerdrop.api.evaluate import fidelity, standard_tasks
     from layerdrop.cli.tables import standard_tasks_table
 
-    report = standard_tasks(folders, tasks, limit=args.limit, batch_size=args.batch or 8,
-                            progress=_progress(args), **_runtime(args))
+    if args.vs:  # the fidelity runs both models side by side: checked before the tasks start
+        api.guard_memory("eval", folders, args.memory_limit, tokens=args.seq_len)
+    report = standard_tasks(folders, tasks, limit=args.limit, options=_options(args, args.batch or 8),
+                            progress=_progress(args), memory_limit=args.memory_limit)
     if args.vs:
         report["fidelity"] = fidelity(args.model, args.vs, text=args.text, samples=args.samples,
-                                      seq_len=args.seq_len, sampling=sampling(args), batch_size=1,
-                                      progress=_progress(args), **_runtime(args))
+                                      seq_len=args.seq_len, sampling=sampling(args), options=_options(args),
+                                      progress=_progress(args), memory_limit=args.memory_limit)
     print(standard_tasks_table(report))
     if args.json:
         api.write_json(report, args.json)
@@ -176,9 +184,9 @@ def cmd_bench(args) -> int:
     from layerdrop.api.reports import side_by_side
     from layerdrop.runtime.bench import plot_prefill
 
-    result = api.bench(args.base, args.pruned, seqs=args.seq, batch=args.batch, runs=args.runs,
-                       decode_tokens=args.decode, generation=args.generation_memory, reference=args.reference,
-                       **_runtime(args))
+    result = api.bench(args.base, args.pruned, seqs=args.seq, runs=args.runs, decode_tokens=args.decode,
+                       options=_options(args, args.batch), generation=args.generation_memory,
+                       reference=args.reference, memory_limit=args.memory_limit)
     print(side_by_side(result, "pruned"))
     if args.json:
         api.write_json(result, args.json)
@@ -205,39 +213,43 @@ def cmd_pipeline(args) -> int:
     report = api.pipeline(args.model, args.output, calib=args.calib, eval_text=args.eval, attn=args.attn,
                           joint=args.joint, harp_top=args.harp, samples=args.samples, seq_len=args.seq_len,
                           eval_samples=args.eval_samples, bench_seq=args.seq, bench_runs=args.runs,
-                          sampling=sampling(args), batch_size=args.batch_size, resume=args.resume,
+                          sampling=sampling(args), options=_options(args, args.batch_size), resume=args.resume,
                           force=args.force, progress=_progress(args), fuse=args.fuse, builder=args.builder,
-                          quantize=args.quantize, **_runtime(args))
+                          quantize=args.quantize)
+    for note in report["notes"]:
+        print(f"layerdrop: note: {note}", file=sys.stderr)
     print(pipeline_summary(report))
     print(f"\nall stages, report.md and report.json are in {args.output}")
     return 0
 
 
 def cmd_plan(args) -> int:
-    from layerdrop.api.reports import plan_table
+    from layerdrop.api.reports import plan_summary
 
     result = api.plan(args.model, args.output, budget=args.budget, calib=args.calib, eval_text=args.eval,
                       search_text=args.search_text, samples=args.samples, search_samples=args.search_samples,
                       eval_samples=args.eval_samples, fit_samples=args.fit_samples, seq_len=args.seq_len,
                       sampling=sampling(args), extra=args.extra, moves=args.moves, shift=args.shift,
                       per_layer_moves=args.per_layer_moves, self_samples=args.self_samples,
-                      fit_previous=args.fit_previous, force=args.force, progress=_progress(args),
+                      fit_previous=args.fit_previous, pick=args.pick, validation_samples=args.validation_samples,
+                      validation_items=args.validation_items, force=args.force, progress=_progress(args),
                       quantize=args.quantize, keep_float=args.keep_float, also_eval=args.also_eval,
                       accuracy_items=args.accuracy_items, speedup_tokens=args.speedup_tokens,
-                      speedup_runs=args.speedup_runs, resume=args.resume,
-                      options=api.RunOptions(args.provider, args.threads, args.batch_size))
+                      speedup_runs=args.speedup_runs, resume=args.resume, memory_limit=args.memory_limit,
+                      options=_options(args, args.batch_size))
     for note in result.notes:
         print(f"layerdrop: note: {note}", file=sys.stderr)
     report = result.to_dict()
-    print(plan_table(report))
-    print(f"pick: {result.pick.method}; search took {result.search_seconds:.0f} s; written to {args.output}")
+    print(plan_summary(report))
+    print(f"\nsearch took {result.search_seconds:.0f} s; written to {args.output} (this report: "
+          f"{args.output / 'plan-report.md'})")
     if args.json:
         api.write_json(report, args.json)
     return 0
 
 
 def cmd_fuse(args) -> int:
-    result = api.fuse(args.model, args.output, force=args.force)
+    result = api.fuse(args.model, args.output, force=args.force, memory_limit=args.memory_limit)
     print_fusions(result["fusions"], True, result.get("fusion_note"))
     print(f"nodes {result['nodes']['before']} -> {result['nodes']['after']}; written to {args.output}")
     if args.json:
@@ -247,7 +259,7 @@ def cmd_fuse(args) -> int:
 
 def cmd_quantize(args) -> int:
     result = api.quantize(args.model, args.output, block_size=args.block_size, accuracy_level=args.accuracy_level,
-                          force=args.force)
+                          force=args.force, memory_limit=args.memory_limit)
     sizes = result["bytes"]
     print(f"int4: {result['matmul_nbits']} MatMulNBits, {sizes['before']:,} -> {sizes['after']:,} bytes; written to "
           f"{args.output}")

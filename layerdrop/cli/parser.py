@@ -86,8 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-kv-cache", action="store_true", help="export without KV-cache inputs/outputs")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
     p.add_argument("--trust-remote-code", action="store_true", help="allow models with custom code (auto_map)")
-    p.add_argument("--memory-limit", type=parse_bytes, default=None, help="refuse, before starting, an export whose "
-                   "estimated peak memory is over this (e.g. 24GB; default $LAYERDROP_MEMORY_LIMIT, else 16GB)")
+    _memory_option(p)
     p.add_argument("--debug", action="store_true")
 
     p = sub.add_parser("score", help="attach calibration scores S = 1 - cos(X, Y) to every region")
@@ -99,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, help="write the scores as JSON")
     p.add_argument("--compare", type=text_path, help="second calibration text: report the overlap of the rankings")
     p.add_argument("--top-n", type=parse_count, default=8, help="n for --compare (default 8)")
+    _memory_option(p)
     _common(p)
 
     p = sub.add_parser("inspect", help="show regions, scores, KV bytes per token and what was removed")
@@ -118,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, help="write what was dropped as JSON")
     p.add_argument("--fuse", action="store_true", help="apply ONNX Runtime fusions after the drop")
     _quantize_option(p)
+    _memory_option(p)
     _common(p)
 
     p = sub.add_parser("harp", help="replace top-layer attention by a rescaled V·O projection (HARP)")
@@ -131,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, help="write the alphas and every perplexity tried as JSON")
     p.add_argument("--fuse", action="store_true", help="apply ONNX Runtime fusions after the rewrite")
     _quantize_option(p)
+    _memory_option(p)
     _common(p)
 
     p = sub.add_parser("eval", help="perplexity (and greedy generations) of one model or two side by side")
@@ -147,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-fewshot", type=int, help="with --tasks: few-shot examples per prompt")
     p.add_argument("--include-path", type=Path, help="with --tasks: a folder of your own task YAML files")
     p.add_argument("--json", type=Path)
+    _memory_option(p)
     _common(p)
 
     p = sub.add_parser("bench", help="prefill/decode speed, memory and size of two models side by side")
@@ -164,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "KV cache shows (e.g. 8,2048,64)")
     p.add_argument("--json", type=Path)
     p.add_argument("--plot", type=Path)
+    _memory_option(p)
     _common(p)
 
     p = sub.add_parser("quantize", help="int4 weights (MatMulNBits) through ONNX Runtime's quantizer")
@@ -174,12 +178,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MatMulNBits accuracy level (default 4, as the model builder writes for CPU: int8 "
                    "activations; 0: float activations)")
     p.add_argument("--json", type=Path)
+    _memory_option(p)
     p.add_argument("--debug", action="store_true")
 
     p = sub.add_parser("fuse", help="ONNX Runtime's transformer fusions on a model folder (fuse last)")
     p.add_argument("model", type=Path)
     _output(p)
     p.add_argument("--json", type=Path)
+    _memory_option(p)
     p.add_argument("--debug", action="store_true")
 
     p = sub.add_parser("check", help="CI gate: exit 0 within budget, 1 over budget, 2 on bad input")
@@ -258,19 +264,37 @@ def build_parser() -> argparse.ArgumentParser:
                    help="windows the model writes itself (random first token, temperature 1) added to the fits' "
                    "calibration windows: a prior toward the model's own text where --calib is of one kind (default 0;"
                    " 64 take about 2 minutes for SmolLM2 on 2 cores)")
-    p.add_argument("--fit-previous", action="store_true",
-                   help="fitted attention maps also read the previous token's normalized input: better on kinds of "
-                   "text the calibration lacks; the layer's KV cache becomes a one-token state "
-                   "(past_key_values.N.conv_state) that layerdrop's runtime and onnxruntime-genai (greedy and "
-                   "sampling, not beam search) carry")
+    p.add_argument("--fit-per-token", dest="fit_previous", action="store_false", default=None,
+                   help="fitted attention maps read the current token alone (default: they also read the previous "
+                   "token's normalized input, better on kinds of text the calibration lacks; the layer's KV cache "
+                   "becomes a one-token state, past_key_values.N.conv_state, that layerdrop's runtime and "
+                   "onnxruntime-genai carry in greedy and sampling search, not beam search)")
+    p.add_argument("--fit-previous", dest="fit_previous", action="store_true",
+                   help="maps that also read the previous token (the default where fit is allowed; named, it "
+                   "requires fit in --moves)")
+    p.add_argument("--pick", default="guarded", metavar="CRITERION",
+                   help="how the pick is chosen among the rows, on validation evidence no fit or search saw: guarded "
+                   "(default: the validation choice unless the best paper row is as good on every validation kind "
+                   "and task), validation (geometric mean of perplexity ratios over the validation kinds), "
+                   "worst-kind, tasks (validation items of ARC and OpenBookQA), search (the search perplexity)")
+    p.add_argument("--validation-samples", type=int, default=16, help="windows of each validation kind (the "
+                   "calibration text's held-out part, the bundled mix, the model's own text; 0: none)")
+    p.add_argument("--validation-items", type=int, default=50, help="validation items of each of ARC-Easy, "
+                   "ARC-Challenge and OpenBookQA (never the reported test items; 0: none)")
     p.add_argument("--resume", action="store_true", help="go on from the finished measurements of an interrupted "
                    "plan of the same -o, kept in .NAME.plan-work beside it (removed once the plan is written); a "
                    "changed input recomputes what depends on it")
     _quantize_option(p)
     p.add_argument("--json", type=Path)
+    _memory_option(p)
     _sampling_options(p)
     _common(p)
     return parser
+
+
+def _memory_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--memory-limit", type=parse_bytes, default=None, help="refuse, before starting, a run whose "
+                        "estimated peak memory is over this (e.g. 24GB; default $LAYERDROP_MEMORY_LIMIT, else 16GB)")
 
 
 def _quantize_option(parser: argparse.ArgumentParser) -> None:

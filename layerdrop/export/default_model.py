@@ -27,6 +27,7 @@ from pathlib import Path
 
 from layerdrop.errors import LayerdropError
 from layerdrop.memory import check_disk, gguf_header
+from layerdrop.paths import cache_dir
 
 BLOCK = 1 << 20  # bytes per read while joining and hashing: memory stays bounded whatever the model's size
 
@@ -67,12 +68,6 @@ KNOWN_MODELS = {
         1_117_320_768, "qwen2", "Qwen2.5 Coder 1.5B Instruct GGUF"),
 }
 DEFAULT_MODEL = "smollm2-135m"
-
-
-def cache_dir() -> Path:
-    """The folder where downloaded and converted models live (`$LAYERDROP_CACHE`, else ~/.cache/layerdrop)."""
-    root = os.environ.get("LAYERDROP_CACHE") or Path.home() / ".cache" / "layerdrop"
-    return Path(root)
 
 
 def known_model(name: str) -> KnownModel | None:

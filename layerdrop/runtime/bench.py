@@ -14,6 +14,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,7 @@ import onnxruntime as ort
 from layerdrop.formats import is_carried, is_past, is_state_past, past_for
 from layerdrop.runtime.feeds import is_kv_graph, prefill_feed, takes_padded_batches
 from layerdrop.runtime.generate import greedy_batch, greedy_generate
-from layerdrop.runtime.session import make_session
+from layerdrop.runtime.session import RunOptions, active_provider
 
 
 def _ids(seq: int, batch: int, session: ort.InferenceSession | None = None, seed: int = 0) -> np.ndarray:
@@ -73,11 +74,13 @@ def _interleaved(runners: list, runs: int, warmup: int | list[int]) -> list[list
     return times
 
 
-def prefill_latency(folders: list[Path], seq: int, *, batch: int = 1, runs: int = 5, warmup: int = 2,
-                    provider: str = "cpu", threads: int | None = None) -> list[dict]:
-    """Median and p90 prefill latency (ms) of each model at `seq` tokens, runs interleaved across models."""
-    sessions = [make_session(Path(f) / "model.onnx", provider=provider, threads=threads) for f in folders]
-    times = _interleaved([_runner(s, prefill_feed(s, _ids(seq, batch, s))) for s in sessions], runs, warmup)
+def prefill_latency(folders: list[Path], seq: int, *, runs: int = 5, warmup: int = 2,
+                    options: RunOptions = RunOptions()) -> list[dict]:
+    """Median and p90 prefill latency (ms) of each model at `seq` tokens (`options.batch_size` sequences a run),
+    runs interleaved across models."""
+    sessions = [options.session(Path(f) / "model.onnx") for f in folders]
+    times = _interleaved([_runner(s, prefill_feed(s, _ids(seq, options.batch_size, s))) for s in sessions], runs,
+                         warmup)
     return [{"median_ms": statistics.median(t), "p90_ms": float(np.percentile(t, 90)), "runs": t} for t in times]
 
 
@@ -96,15 +99,15 @@ def paired_speedup(base: ort.InferenceSession, other: ort.InferenceSession, seq:
 
 
 def decode_tokens_per_second(folders: list[Path], *, prompt_len: int = 64, new_tokens: int = 32, rounds: int = 3,
-                             provider: str = "cpu", threads: int | None = None,
-                             device_resident: bool | None = None) -> list[float | None]:
-    """Greedy decode speed with the KV cache (tokens/s after the prefill, `prompt_len` tokens of context), median
-    of `rounds` interleaved runs; None for a graph without cache.
+                             options: RunOptions = RunOptions(), device_resident: bool | None = None
+                             ) -> list[float | None]:
+    """Greedy decode speed with the KV cache (tokens/s after the prefill, `prompt_len` tokens of context, one
+    sequence), median of `rounds` interleaved runs; None for a graph without cache.
 
     With `device_resident` (the default on CUDA) the cache stays where the session computes it, bound from one
     step's outputs to the next step's inputs (`device_greedy`); otherwise each step goes through numpy.
     """
-    sessions = [make_session(Path(f) / "model.onnx", provider=provider, threads=threads) for f in folders]
+    sessions = [options.session(Path(f) / "model.onnx") for f in folders]
     speeds: list[list[float]] = [[] for _ in sessions]
     for _ in range(rounds):
         for i, session in enumerate(sessions):
@@ -157,16 +160,15 @@ def device_greedy(session: ort.InferenceSession, prompt: np.ndarray, new_tokens:
     return tokens
 
 
-def node_times(folder: Path, seq: int, *, runs: int = 3, provider: str = "cpu", threads: int | None = None
-               ) -> dict[str, float]:
-    """Mean time (µs) per graph node over `runs` profiled prefills, keyed by node name.
+def node_times(folder: Path, seq: int, *, runs: int = 3, options: RunOptions = RunOptions()) -> dict[str, float]:
+    """Mean time (µs) per graph node over `runs` profiled prefills of one sequence, keyed by node name.
 
     Graph optimizations are off for the profile so every name is a node of the ONNX graph; ONNX Runtime fuses
     little on these graphs, so the shares of time match the optimized run closely.
     """
     with tempfile.TemporaryDirectory() as tmp:
-        session = make_session(Path(folder) / "model.onnx", provider=provider, threads=threads,
-                               profile_prefix=os.path.join(tmp, "profile"), optimize=False)
+        session = options.session(Path(folder) / "model.onnx", profile_prefix=os.path.join(tmp, "profile"),
+                                  optimize=False)
         feed = prefill_feed(session, _ids(seq, 1, session))
         session.run(["logits"], feed)
         for _ in range(runs):
@@ -184,9 +186,9 @@ def graph_node_names(folder: Path) -> set[str]:
     return {n.name for n in onnx.load(Path(folder) / "model.onnx", load_external_data=False).graph.node}
 
 
-def ideal_speedup(base: Path, pruned: Path, seq: int, **session_args) -> dict:
+def ideal_speedup(base: Path, pruned: Path, seq: int, options: RunOptions = RunOptions()) -> dict:
     """Profile-based ideal: base node time / (base node time - time of base nodes absent from `pruned`)."""
-    times = node_times(base, seq, **session_args)
+    times = node_times(base, seq, options=options)
     removed = graph_node_names(base) - graph_node_names(pruned)
     total = sum(times.values())
     gone = sum(t for name, t in times.items() if name in removed)
@@ -216,11 +218,9 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
-def _measure_peak(folder: str, seq: int, provider: str, threads: int | None) -> int | None:
+def _measure_peak(folder: str, seq: int, options: RunOptions) -> int | None:
     """Run one prefill in this (fresh) process and report its peak memory: RSS on CPU, device memory on CUDA."""
-    from layerdrop.runtime.session import active_provider
-
-    session = make_session(Path(folder) / "model.onnx", provider=provider, threads=threads, arena=False)
+    session = options.session(Path(folder) / "model.onnx", arena=False)
     session.run(["logits"], prefill_feed(session, _ids(seq, 1, session)))
     if active_provider(session) == "cuda":
         return _cuda_memory_of_this_process()
@@ -245,12 +245,10 @@ def _cuda_memory_of_this_process() -> int | None:
 GENERATION_CHUNK = 256  # prompt tokens per prefill step of the generation-memory run: logits stay small
 
 
-def _measure_generation_peak(folder: str, batch: int, context: int, new_tokens: int, provider: str,
-                             threads: int | None) -> int | None:
+def _measure_generation_peak(folder: str, batch: int, context: int, new_tokens: int, options: RunOptions
+                             ) -> int | None:
     """Generate in this (fresh) process with a large cache and report its peak memory (None: no KV cache)."""
-    from layerdrop.runtime.session import active_provider
-
-    session = make_session(Path(folder) / "model.onnx", provider=provider, threads=threads, arena=False)
+    session = options.session(Path(folder) / "model.onnx", arena=False)
     if not is_kv_graph(session):
         return None
     ids = _ids(context, batch, session)
@@ -261,30 +259,30 @@ def _measure_generation_peak(folder: str, batch: int, context: int, new_tokens: 
     return peak_rss_bytes()
 
 
-def generation_memory(folder: Path, batch: int, context: int, new_tokens: int, *, provider: str = "cpu",
-                      threads: int | None = None) -> int | None:
+def generation_memory(folder: Path, batch: int, context: int, new_tokens: int, *,
+                      options: RunOptions = RunOptions()) -> int | None:
     """Peak memory of generating `new_tokens` after `context` tokens for `batch` sequences, in a fresh child
     process; the prompt is prefilled `GENERATION_CHUNK` tokens at a time, so the cache, not the logits, is what
     grows. None for a graph without KV cache."""
     import multiprocessing
 
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_measure_generation_peak, (str(folder), batch, context, new_tokens, provider, threads))
+        return pool.apply(_measure_generation_peak, (str(folder), batch, context, new_tokens, options))
 
 
-def peak_memory(folder: Path, seq: int, *, provider: str = "cpu", threads: int | None = None) -> int | None:
-    """Peak memory of one prefill of `folder` at `seq` tokens, measured in a fresh child process."""
+def peak_memory(folder: Path, seq: int, *, options: RunOptions = RunOptions()) -> int | None:
+    """Peak memory of one prefill of `folder` at `seq` tokens (one sequence), measured in a fresh child process."""
     import multiprocessing
 
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_measure_peak, (str(folder), seq, provider, threads))
+        return pool.apply(_measure_peak, (str(folder), seq, options))
 
 
-def compare(base: Path, pruned: Path, *, seqs: tuple[int, ...] = (256, 1024), batch: int = 1, runs: int = 5,
-            decode_tokens: int = 32, provider: str = "cpu", threads: int | None = None,
-            generation: tuple[int, int, int] | None = None, reference: Path | None = None,
-            ideal: bool = True) -> dict:
-    """Measure two model folders side by side (see module docstring); every ratio comes from these runs.
+def compare(base: Path, pruned: Path, *, seqs: tuple[int, ...] = (256, 1024), runs: int = 5, decode_tokens: int = 32,
+            options: RunOptions = RunOptions(), generation: tuple[int, int, int] | None = None,
+            reference: Path | None = None, ideal: bool = True) -> dict:
+    """Measure two model folders side by side (see module docstring); every ratio comes from these runs, the
+    prefills with `options.batch_size` sequences a run.
 
     `ideal=False` leaves out the name-based ideal (meaningless for fused graphs, whose node names change).
 
@@ -294,33 +292,31 @@ def compare(base: Path, pruned: Path, *, seqs: tuple[int, ...] = (256, 1024), ba
     """
     import platform
 
-    from layerdrop.runtime.session import active_provider
-
-    probe = make_session(Path(base) / "model.onnx", provider=provider, threads=threads)
-    used = active_provider(probe)
+    probe = options.session(Path(base) / "model.onnx")
+    used = replace(options, provider=active_provider(probe))
     del probe
     folders = [base, pruned] + ([reference] if reference is not None else [])
     prefill = []
     for seq in seqs:
-        times = prefill_latency(folders, seq, batch=batch, runs=runs, provider=used, threads=threads)
-        entry = {"seq": seq, "batch": batch, "base": times[0], "pruned": times[1],
+        times = prefill_latency(folders, seq, runs=runs, options=used)
+        entry = {"seq": seq, "batch": used.batch_size, "base": times[0], "pruned": times[1],
                  "speedup": times[0]["median_ms"] / times[1]["median_ms"], "ideal": None, "removed_share": None}
         if ideal:
-            entry |= ideal_speedup(base, pruned, seq, provider=used, threads=threads) | {"ideal_from": "names"}
+            entry |= ideal_speedup(base, pruned, seq, used) | {"ideal_from": "names"}
         if reference is not None:
             entry |= {"reference": times[2], "vs_reference": times[2]["median_ms"] / times[1]["median_ms"],
                       "base_vs_reference": times[2]["median_ms"] / times[0]["median_ms"]}
         prefill.append(entry)
-    machine = f"{platform.machine()}, {os.cpu_count()} cores, {threads or 'default'} threads, {used}"
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, {used.threads or 'default'} threads, {used.provider}"
     names = ("base", "pruned", "reference")
     result = {
         "machine": machine,
-        "provider": used,
+        "provider": used.provider,
         "prefill": prefill,
         "decode_tokens_per_s": dict(zip(names, decode_tokens_per_second(
-            folders, new_tokens=decode_tokens, provider=used, threads=threads))),
+            folders, new_tokens=decode_tokens, options=used))),
         "model_bytes": {name: model_bytes(folder) for name, folder in zip(names, folders)},
-        "peak_memory_bytes": {name: peak_memory(folder, max(seqs), provider=used, threads=threads)
+        "peak_memory_bytes": {name: peak_memory(folder, max(seqs), options=used)
                               for name, folder in (("base", base), ("pruned", pruned))},
     }
     if reference is not None:
@@ -329,7 +325,7 @@ def compare(base: Path, pruned: Path, *, seqs: tuple[int, ...] = (256, 1024), ba
         batch_size, context, new_tokens = generation
         result["generation_memory"] = {
             "batch": batch_size, "context": context, "new_tokens": new_tokens,
-            **{name: generation_memory(folder, batch_size, context, new_tokens, provider=used, threads=threads)
+            **{name: generation_memory(folder, batch_size, context, new_tokens, options=used)
                for name, folder in (("base", base), ("pruned", pruned))}}
     return result
 

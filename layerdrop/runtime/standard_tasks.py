@@ -52,6 +52,12 @@ STANDARD_TASKS = {task.name: task for task in (
     StandardTask("mmlu", "test", "acc", "hf:hails/mmlu_no_train", "MIT", num_fewshot=5),
 )}
 PAPERS = [name for name in STANDARD_TASKS if name != "mmlu"]
+# The validation splits of the tasks whose reported split is test: items a plan may choose on, never reported.
+VALIDATION_TASKS = {task.name: task for task in (
+    StandardTask("arc_easy", "validation", "acc_norm", "hf:ai2_arc/ARC-Easy/validation", "CC BY-SA 4.0"),
+    StandardTask("arc_challenge", "validation", "acc_norm", "hf:ai2_arc/ARC-Challenge/validation", "CC BY-SA 4.0"),
+    StandardTask("openbookqa", "validation", "acc_norm", "hf:openbookqa/main/validation", "Apache-2.0"),
+)}
 
 
 def expand_names(names: list[str]) -> list[str]:
@@ -198,14 +204,15 @@ class TaskOutcome:
         return float(self.correct.std(ddof=1) / np.sqrt(n)) if n > 1 else float("nan")
 
 
-def run_standard_tasks(lm, names: list[str], *, limit: int | None = None, wheel: Path | None = None
-                       ) -> dict[str, TaskOutcome]:
-    """Run standard tasks (names from STANDARD_TASKS) on an lm-eval model, offline, through lm-eval's evaluator.
+def run_standard_tasks(lm, names: list[str], *, limit: int | None = None, wheel: Path | None = None,
+                       tasks: dict[str, StandardTask] = STANDARD_TASKS) -> dict[str, TaskOutcome]:
+    """Run standard tasks (names from `tasks`: the reported splits, or VALIDATION_TASKS) on an lm-eval model,
+    offline, through lm-eval's evaluator.
 
     Raises:
         LayerdropError: a name is not a standard task, or the task data is missing (task_data.TaskDataMissing).
     """
-    unknown = [n for n in names if n not in STANDARD_TASKS]
+    unknown = [n for n in names if n not in tasks]
     if unknown:
         raise LayerdropError(f"unknown task(s): {', '.join(unknown)}; the standard tasks are "
                              f"{', '.join(STANDARD_TASKS)} and papers (all but mmlu)")
@@ -222,7 +229,7 @@ def run_standard_tasks(lm, names: list[str], *, limit: int | None = None, wheel:
     specs, owner = [], {}
     for name in names:
         whole = limit if isinstance(limit, int) else None  # a fraction is of the whole split: lm-eval takes it
-        for config in task_configs(STANDARD_TASKS[name], wheel, whole):
+        for config in task_configs(tasks[name], wheel, whole):
             specs.append(config)
             owner[config["task"]] = name
     quiet = logging.getLogger("lm_eval")  # its warning that custom datasets take --metadata, once per task
@@ -235,7 +242,7 @@ def run_standard_tasks(lm, names: list[str], *, limit: int | None = None, wheel:
         quiet.setLevel(level)
     outcomes = {}
     for name in names:
-        task = STANDARD_TASKS[name]
+        task = tasks[name]
         correct, chance = [], []
         for sub in sorted(t for t, o in owner.items() if o == name):
             samples = sorted(raw["samples"][sub], key=lambda s: s["doc_id"])

@@ -101,7 +101,7 @@ def module_ideal(folder: Path, modules: set[tuple[str, int]], seq: int, options:
     """
     _, model = load(folder)
     run_passes(model, [UnfuseSkipNormPass(), FindResidualsPass()])
-    times = node_times(folder, seq, runs=runs, provider=options.provider, threads=options.threads)
+    times = node_times(folder, seq, runs=runs, options=options)
     removed = sum(times.get(node.name, 0.0) for region in annotated_regions(model)
                   if (region.kind, region.layer) in modules for node in region.branch)
     total = sum(times.values())

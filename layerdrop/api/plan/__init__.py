@@ -18,6 +18,7 @@ from layerdrop import model_folder
 from layerdrop.api.common import (
     DEFAULT_SAMPLES,
     DEFAULT_SEQ_LEN,
+    guard_memory,
     int4_write_back,
     open_model,
     quantize_pass,
@@ -35,26 +36,31 @@ from layerdrop.api.plan.candidates import (
     mixed_sizes,
     paper_candidates,
 )
-from layerdrop.api.plan.measure import Measure, choose_prefix
-from layerdrop.api.plan.report import PlanResult, PlanRow, choose_pick
+from layerdrop.api.plan.measure import PREFIX_BYTES, Measure, choose_prefix
+from layerdrop.api.plan.report import CRITERIA, DEFAULT_CRITERION, PlanResult, PlanRow, check_criterion, choose_pick
 from layerdrop.api.plan.resume import Checkpoints, folder_fingerprint, keeps_work, plan_work_area, window_ids
-from layerdrop.api.plan.texts import PlanWindows, Texts, fit_windows, plan_windows
+from layerdrop.api.plan.texts import PlanWindows, Texts, fit_windows, plan_windows, with_model_text
+from layerdrop.api.reports import plan_summary, reproduce_command, run_snippet
 from layerdrop.api.score import score
 from layerdrop.checkpoints import CheckpointStore
 from layerdrop.errors import LayerdropError, TooFewTokens
 from layerdrop.formats import PLAN_KEY
+from layerdrop.model_folder import write_atomically
 from layerdrop.passes.attach_scores import read_scores
 from layerdrop.passes.cleanup import run_passes
 from layerdrop.passes.find_residuals import annotated_regions
-from layerdrop.passes.metadata import write_json
+from layerdrop.passes.metadata import removed_modules, write_json
 from layerdrop.runtime.session import RunOptions
 from layerdrop.search.planner import candidate_pool
 from layerdrop.search.selection import Budget, PrefillMeter, parse_budget
 from layerdrop.windows import Sampling
 
-__all__ = ["MOVES", "Candidate", "PlanResult", "PlanRow", "choose_pick", "parse_moves", "plan"]
+__all__ = ["CRITERIA", "DEFAULT_CRITERION", "MOVES", "Candidate", "PlanResult", "PlanRow", "choose_pick",
+           "parse_moves", "plan"]
 
 ACCURACY_ITEMS = 200  # multiple-choice items of the accuracy column
+REPORT_NAME = "plan-report.md"  # the plan's report, in the written model's folder
+VALIDATION_SAMPLES, VALIDATION_ITEMS = 16, 50  # windows of each validation kind; items of each validation task
 SPEEDUP_TOKENS, SPEEDUP_RUNS = 1024, 5  # a speedup budget's prefill length (without one in it); timed runs a row
 SIZING_RUNS = 3  # timed runs of each structure measured to size a speedup budget's rows
 
@@ -79,7 +85,10 @@ def plan(
     shift: bool = True,
     per_layer_moves: bool = False,
     self_samples: int = 0,
-    fit_previous: bool = False,
+    fit_previous: bool | None = None,
+    pick: str = DEFAULT_CRITERION,
+    validation_samples: int = VALIDATION_SAMPLES,
+    validation_items: int = VALIDATION_ITEMS,
     options: RunOptions = RunOptions(),
     force: bool = False,
     progress: bool = True,
@@ -90,6 +99,7 @@ def plan(
     speedup_tokens: int | None = None,
     speedup_runs: int = SPEEDUP_RUNS,
     resume: bool = False,
+    memory_limit: int | None = None,
 ) -> PlanResult:
     """Plan the best set of moves for a budget, compare it with the papers' methods, and write the pick.
 
@@ -97,26 +107,38 @@ def plan(
     the mean shift on those, a fitted linear map per layer), a `blocks=N` budget the block moves (ShortGPT's drop,
     ReplaceMe's fitted run), a `speedup=X@T` budget any of them, its rows sized by measured prefill at T tokens;
     `moves` narrows them (`budget.parse_moves`). With the fit move, the planner searches fits (with
-    `per_layer_moves`, each chosen layer's fit, drop or bypass; with `fit_previous`, maps that also read the
-    previous token); without it, drops and bypasses. Every choice is made on the search windows (of `search_text`,
-    or the search part of `calib`); every row is also measured on `eval_text` and each `also_eval` text, which no
-    choice sees, on `accuracy_items` multiple-choice items of the held-out text (lm-eval, 0: no column), and with
-    `speedup_runs` > 0 timed at `speedup_tokens` tokens. `self_samples` windows the model writes itself join every
-    fit's calibration windows. The pick is the row with the lowest search perplexity among those the allowed moves
-    make (under a speedup budget, among those that reach it in the table's timing). The written model is float
-    unless `quantize` (or an int4 source without `keep_float`) says otherwise.
+    `per_layer_moves`, each chosen layer's fit, drop or bypass; maps that also read the previous token unless
+    `fit_previous` is False); without it, drops and bypasses. Every choice is made on the search windows (of
+    `search_text`, or the search part of `calib`); every row is also measured on `validation_samples` windows of
+    each validation kind (the calibration text's held-out part, the bundled mix, the model's own text) and the
+    first `validation_items` validation items of ARC-Easy, ARC-Challenge and OpenBookQA, which no fit, mean or
+    search sees; on `eval_text` and each `also_eval` text, which nothing is chosen on; on `accuracy_items`
+    multiple-choice items of the held-out text (lm-eval, 0: no column); and with `speedup_runs` > 0 timed at
+    `speedup_tokens` tokens. `self_samples` windows the model writes itself join every fit's calibration windows.
+    The pick is the row `pick` (`report.CRITERIA`; default: the validation choice, guarded by the best paper row)
+    chooses among those the allowed moves make (under a speedup budget, among those that reach it in the table's
+    timing). The written model is float unless `quantize` (or an int4 source without `keep_float`) says
+    otherwise.
 
     Every finished measurement is checkpointed in the work folder `.NAME.plan-work` beside `out_dir`
     (`resume.plan_work_area`), removed once the output is written; with `resume`, a rerun loads the checkpoints of
-    the same inputs and computes only the rest. A KeyboardInterrupt part way says how to resume.
+    the same inputs and computes only the rest. A KeyboardInterrupt part way says how to resume. Before anything
+    starts, an estimated peak memory (the base's session and a row's at once, the cached hidden-state prefixes)
+    over `memory_limit` is refused (`guard_memory`).
 
     Returns:
         The `PlanResult` (its `to_dict()` is plan.json; its `notes` are for the user).
 
     Raises:
-        LayerdropError: a bad budget, move word, model or text, or a work folder of an interrupted plan without
-            `resume` or `force`.
+        LayerdropError: a bad budget, move word, pick criterion, model or text, or a work folder of an interrupted
+            plan without `resume` or `force`.
     """
+    check_criterion(pick)
+    if validation_samples < 0 or validation_items < 0:
+        raise LayerdropError("--validation-samples and --validation-items count windows and items: give 0 or more")
+    guard_memory("plan", [model_path], memory_limit, copies=2, extra=PREFIX_BYTES, quantizes=quantize is not None,
+                 tokens=max(options.batch_size * seq_len,
+                            speedup_tokens or (SPEEDUP_TOKENS if budget.startswith("speedup") else seq_len)))
     folder, model = open_model(model_path)
     model_folder.reserve_output(Path(out_dir), inputs=[folder.path], force=force)
     store = CheckpointStore.open(plan_work_area(out_dir), resume=resume, force=force)
@@ -126,19 +148,25 @@ def plan(
         raise LayerdropError("this graph has no attention regions; nothing to plan")
     parsed = parse_budget(budget, len(attention))
     allowed = allowed_moves(moves, parsed, shift=shift, per_layer_moves=per_layer_moves, self_samples=self_samples,
-                            fit_previous=fit_previous)
+                            fit_previous=bool(fit_previous))
+    fit_previous = "fit" in allowed if fit_previous is None else fit_previous
     texts = Texts(calib, eval_text, search_text, tuple(also_eval or ()), samples, search_samples, eval_samples,
-                  fit_samples, seq_len, sampling, accuracy_items, self_samples)
+                  fit_samples, seq_len, sampling, accuracy_items, self_samples, validation_samples, validation_items)
     started = time.perf_counter()
     notes: list[str] = []  # for the user; those of rows left out also go into the report's `skipped`
     windows = plan_windows(folder.path, texts, notes)
     rows = read_scores(model) or saved.cached(
         "scores", (windows.calib.source["sha256"], samples, seq_len, sampling, options.provider),
         lambda: score(folder.path, None, calib=calib, samples=samples, seq_len=seq_len, sampling=sampling,
-                      provider=options.provider, threads=options.threads, progress=progress)["regions"])
+                      options=RunOptions(options.provider, options.threads), progress=progress,
+                      memory_limit=memory_limit)["regions"])
     inputs = Inputs(model, folder.path, {r["layer"]: r["score"] for r in rows if r["kind"] == "attn"},
                     {r["layer"]: r["score"] for r in rows if r["kind"] == "block"}, windows.calib, windows.search,
                     None, options, progress, [], fit_previous)
+    windows.validation = saved.cached(
+        "model-text", (window_ids(windows.calib), validation_samples, seq_len, sampling, options.provider,
+                       [window_ids(w) for w in windows.validation.kinds.values()], windows.validation.items),
+        lambda: with_model_text(model, folder.path, windows.validation, texts, options, progress, notes))
     phase = _Phases(progress)
     meter = _sizing_meter(inputs, parsed, allowed, speedup_runs, phase) if parsed.kind == "speedup" else None
     counts = saved.cached("sizing", (parsed, inputs.scores, inputs.block_scores, allowed, extra, options,
@@ -160,7 +188,7 @@ def plan(
         meter = PrefillMeter(model, folder.path, tokens, options.session(model, folder=folder.path), speedup_runs,
                              options=options)
     result = _measured(inputs, windows, candidates, allowed, len(attention), meter,
-                       (tokens, speedup_runs), parsed, counts, saved)
+                       (tokens, speedup_runs), parsed, counts, saved, pick)
     result.search_seconds = time.perf_counter() - started
     result.planner_log = log
     result.notes = [*notes, *result.skipped, *filter(None, [saved.summary()])]
@@ -169,10 +197,34 @@ def plan(
     # the comparison is measured in float; the written model is quantized
     writes = [quantize_pass(quantize)] if quantize is not None else int4_write_back(model, keep_float)
     chosen = run_passes(chosen, writes) if writes else chosen
+    result.removed = removed_modules(chosen)
     save_model(chosen, out_dir, folder, force=force)
+    runtime, python = run_snippet(Path(out_dir))
+    result.run = {"runtime": runtime, "python": python}
+    result.reproduce = reproduce_command("plan", [model_path], {
+        "-o": out_dir, "--budget": budget, "--calib": calib, "--eval": eval_text, "--search-text": search_text,
+        "--also-eval": list(also_eval or []), "--moves": moves, "--no-shift": not shift,
+        "--per-layer-moves": per_layer_moves, "--fit-per-token": not fit_previous and "fit" in allowed,
+        "--pick": _unless(pick, DEFAULT_CRITERION), "--samples": _unless(samples, DEFAULT_SAMPLES),
+        "--search-samples": _unless(search_samples, 16), "--eval-samples": _unless(eval_samples, 32),
+        "--fit-samples": _unless(fit_samples, 64), "--seq-len": _unless(seq_len, DEFAULT_SEQ_LEN),
+        "--extra": _unless(extra, 4), "--self-samples": _unless(self_samples, 0),
+        "--validation-samples": _unless(validation_samples, VALIDATION_SAMPLES),
+        "--validation-items": _unless(validation_items, VALIDATION_ITEMS),
+        "--accuracy-items": _unless(accuracy_items, ACCURACY_ITEMS), "--speedup-tokens": speedup_tokens,
+        "--speedup-runs": _unless(speedup_runs, SPEEDUP_RUNS), "--seed": _unless(sampling.seed, 0),
+        "--from-start": sampling.from_start, "--text-field": _unless(sampling.text_field, "text"),
+        "--provider": _unless(options.provider, "cpu"), "--threads": options.threads,
+        "--batch-size": _unless(options.batch_size, 1), "--quantize": quantize, "--keep-float": keep_float})
+    write_atomically(Path(out_dir) / REPORT_NAME, plan_summary(result.to_dict()) + "\n")
     result.checkpoints = {"loaded": list(store.loaded), "computed": list(store.computed)}
     store.remove()
     return result
+
+
+def _unless(value, default):
+    """`value`, or None (left out of the reproduce command) where it is the default."""
+    return None if value == default else value
 
 
 def _sizing_meter(inputs: Inputs, budget: Budget, allowed: frozenset, speedup_runs: int, phase: _Phases
@@ -256,22 +308,25 @@ def _candidates(inputs: Inputs, attention: list[int], counts: RowCounts, allowed
 
 def _measured(inputs: Inputs, windows: PlanWindows, candidates: list[Candidate], allowed: frozenset, layers: int,
               meter: PrefillMeter | None, speed: tuple[int, int], budget: Budget, counts: RowCounts,
-              saved: Checkpoints) -> PlanResult:
+              saved: Checkpoints, criterion: str) -> PlanResult:
     """Measure the baseline and every candidate (a progress bar with the baseline's and the best held-out
-    perplexity so far; `speed`: the rows' prefill tokens and timed runs, through `meter`) and pick the best allowed
-    one on the search windows; the plan's result, without its timing, log and notes. Each row is checkpointed in
-    `saved` (the baseline's with the hidden states it keeps for the other rows)."""
+    perplexity so far; `speed`: the rows' prefill tokens and timed runs, through `meter`) and pick the allowed one
+    `criterion` chooses on the validation evidence; the plan's result, without its timing, log and notes. Each row
+    is checkpointed in `saved` (the baseline's with the hidden states it keeps for the other rows)."""
     tokens, runs = speed
     model, held_out, search = inputs.model, windows.held_out, windows.search
-    sets = held_out.sets(search)
-    prefix = choose_prefix(model, candidates, sum(len(w.ids) for w in sets.values()), search.ids.shape[1])
-    measure = Measure(model, inputs.folder, search, held_out, layers, inputs.options, meter, runs, prefix)
+    measure = Measure(model, inputs.folder, search, held_out, layers, inputs.options, meter, runs,
+                      validation=windows.validation)
+    sets = measure.sets()
+    measure.prefix = choose_prefix(model, candidates, sum(len(w.ids) for w in sets.values()), search.ids.shape[1])
+    prefix = measure.prefix
     bar = tqdm(total=1 + len(candidates), desc="measuring rows", unit="row", disable=not inputs.progress,
                leave=False)
     base_session = meter.base if meter is not None else None
     timed = meter if meter is not None and runs > 0 else None
-    measured_on = ({key: window_ids(w) for key, w in sets.items()}, held_out.items, layers, inputs.options, runs,
-                   tokens, prefix.entries)
+    validation_items = windows.validation.items if windows.validation is not None else 0
+    measured_on = ({key: window_ids(w) for key, w in sets.items()}, held_out.items, validation_items, layers,
+                   inputs.options, runs, tokens, prefix.entries)
 
     def baseline() -> tuple[PlanRow, dict]:
         return measure.row(Candidate("baseline"), session=base_session, timed=False), prefix.states
@@ -290,8 +345,8 @@ def _measured(inputs: Inputs, windows: PlanWindows, candidates: list[Candidate],
         for row in table:
             row.compare_accuracy(base)
     skipped = inputs.skipped
-    pick, short = choose_pick([row for row, c in zip(table, candidates) if c.moves <= allowed],
-                              budget.value if budget.kind == "speedup" and runs else None)
+    pick, short, picks = choose_pick([row for row, c in zip(table, candidates) if c.moves <= allowed], base,
+                                     criterion, budget.value if budget.kind == "speedup" and runs else None)
     if short:
         skipped.append(short)
     fitted = any(c.fits is not None or c.run is not None for c in candidates)
@@ -306,7 +361,10 @@ def _measured(inputs: Inputs, windows: PlanWindows, candidates: list[Candidate],
         accuracy_task=held_out.items or [],
         fit_text=inputs.fit.source if inputs.fit is not None and fitted else None,
         fit_previous=any(m.previous for c in candidates for m in (c.fits or {}).values()),
-        skipped=skipped, **(meter.record() if meter is not None else {}))
+        skipped=skipped, criterion=criterion, picks=picks,
+        validation_texts={kind: w.source for kind, w in windows.validation.kinds.items()}
+        if windows.validation is not None else {}, validation_items=validation_items,
+        **(meter.record() if meter is not None else {}))
 
 
 class _Phases:

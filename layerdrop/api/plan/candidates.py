@@ -41,6 +41,7 @@ class Candidate:
     run: BlockFit | None = None  # a ReplaceMe run
     ridges: dict | None = None  # layer -> the ridge each fit chose by its error on the search windows
     moves: frozenset = frozenset()
+    paper: bool = False  # a paper's method (the pick's guard compares the planner's rows with these)
 
     def lowest_changed(self) -> int | None:
         """The lowest layer the moves change (a fitted run: the block its transform is folded into), or None."""
@@ -100,10 +101,12 @@ def paper_candidates(inputs: Inputs, attention: list[int], count: int) -> list[C
     harp = bypass_search(model, folder, search, attention[::-1][:count], progress=inputs.progress, cache=tried,
                          options=options)
     bypass = bypass_search(model, folder, search, lowest, progress=inputs.progress, cache=tried, options=options)
-    return [Candidate("paper 1: one-shot drop of the lowest scores", dict.fromkeys(lowest, 0.0), moves=drop),
-            Candidate("paper 1: iterative drop", {e["layer"]: 0.0 for e in removed_modules(scratch)}, moves=drop),
-            Candidate("HARP: top layers, searched alphas", harp, moves=moves_of(harp)),
-            Candidate("score-selected bypass, searched alphas", bypass, moves=moves_of(bypass))]
+    return [Candidate("paper 1: one-shot drop of the lowest scores", dict.fromkeys(lowest, 0.0), moves=drop,
+                      paper=True),
+            Candidate("paper 1: iterative drop", {e["layer"]: 0.0 for e in removed_modules(scratch)}, moves=drop,
+                      paper=True),
+            Candidate("HARP: top layers, searched alphas", harp, moves=moves_of(harp), paper=True),
+            Candidate("score-selected bypass, searched alphas", bypass, moves=moves_of(bypass), paper=True)]
 
 
 def bypass_candidates(inputs: Inputs, count: int, extra: int, grid: tuple[float, ...], shift: bool
@@ -189,12 +192,13 @@ def block_candidates(block_scores: dict[int, float], count: int, runs: dict[int,
     moves = frozenset({"blocks"})
     scores = [{"layer": layer, "kind": "block", "score": s} for layer, s in block_scores.items()]
     lowest = sorted(layer for _, layer in select_lowest(scores, ("block",), count))
-    candidates = [Candidate("ShortGPT-style block drop of the lowest block scores", blocks=lowest, moves=moves)]
+    candidates = [Candidate("ShortGPT-style block drop of the lowest block scores", blocks=lowest, moves=moves,
+                            paper=True)]
     if count not in runs:
         return candidates
     run = runs[count]
     return candidates + [Candidate("ReplaceMe: its selection and fitted transform", run=run,
-                                   ridges={run.start: run.ridge}, moves=moves)]
+                                   ridges={run.start: run.ridge}, moves=moves, paper=True)]
 
 
 def mixed_sizes(block_count: int, allowed: frozenset) -> list[int]:

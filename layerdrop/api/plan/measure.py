@@ -15,7 +15,8 @@ import onnx_ir as ir
 
 from layerdrop.api.plan.candidates import Candidate
 from layerdrop.api.plan.report import PlanRow
-from layerdrop.api.plan.texts import HeldOut
+from layerdrop.api.plan.texts import HeldOut, Validation
+from layerdrop.api.reports import text_labels
 from layerdrop.formats import TOKEN_LOGPROBS
 from layerdrop.passes.find_residuals import annotated_regions
 from layerdrop.passes.graph_cuts import HIDDEN_INPUT, suffix_to_logits, with_outputs
@@ -86,6 +87,12 @@ class Measure:
     meter: PrefillMeter | None = None
     runs: int = 0
     prefix: Prefix | None = None
+    validation: Validation | None = None
+
+    def sets(self) -> dict[str, Windows]:
+        """Every set of windows a row's perplexity is measured on, by key: search, eval, also0, ..., val0, ..."""
+        kinds = self.validation.kinds.values() if self.validation is not None else ()
+        return {**self.held_out.sets(self.search), **{f"val{i}": w for i, w in enumerate(kinds)}}
 
     def row(self, candidate: Candidate, session=None, timed: bool = True) -> PlanRow:
         """The candidate's row: its rewritten model's perplexity on the search and the held-out windows, its
@@ -99,7 +106,7 @@ class Measure:
         from its own runs, and a row whose lowest changed layer is at or above a kept one runs from there."""
         rewritten = candidate.applied_to(self.model)
         run = candidate.run
-        sets = self.held_out.sets(self.search)
+        sets = self.sets()
         ppl = self.perplexities(rewritten, candidate, sets)
         row = PlanRow(
             method=candidate.name, alphas={int(k): v for k, v in sorted(candidate.alphas.items())},
@@ -107,17 +114,25 @@ class Measure:
             ridges={int(k): v for k, v in (candidate.ridges or {}).items()},
             blocks=candidate.blocks or (list(range(run.start + 1, run.start + 1 + run.count)) if run else []),
             replaced_into=run.start if run else None, run_ridge=run.ridge if run else None,
-            moves=sorted(candidate.moves),
+            moves=sorted(candidate.moves), paper=candidate.paper,
             kv_kept=sum(r.kind == "attn" for r in annotated_regions(rewritten)) / self.layers,
             search_ppl=ppl["search"], eval_ppl=ppl["eval"])
         if self.held_out.others:
-            row.also_eval_ppl = {w.source["file"]: ppl[key] for key, w in sets.items() if key.startswith("also")}
+            also = [key for key in sets if key.startswith("also")]
+            labels = text_labels([sets[key].source for key in also])  # texts that share a file name stay apart
+            row.also_eval_ppl = {label: ppl[key] for label, key in zip(labels, also)}
+        if self.validation is not None and self.validation.kinds:
+            row.validation_ppl = {kind: ppl[f"val{i}"] for i, kind in enumerate(self.validation.kinds)}
         timed = timed and self.meter is not None and self.runs > 0
+        items = self.validation.items if self.validation is not None else 0
+        if session is None and (self.held_out.items is not None or items):
+            session = self.options.session(rewritten, folder=self.folder)
         if self.held_out.items is not None:
-            if session is None:
-                session = self.options.session(rewritten, folder=self.folder)
             scores = self.accuracy(rewritten, session)
             row.accuracy, row.accuracy_correct = scores.accuracy, [int(c) for c in scores.correct]
+        if items:
+            correct = self.validation_tasks(rewritten, session, items)
+            row.validation_accuracy, row.validation_correct = float(np.mean(correct)), correct
         if timed:
             row.speedup, row.speedup_runs, row.structure = self.meter.timed(rewritten, self.runs, session)
         return row
@@ -151,9 +166,23 @@ class Measure:
     def accuracy(self, rewritten: ir.Model, session):
         """lm-eval's accuracy on the held-out items and each item's outcome (`runtime.tasks.ChoiceScores`), through
         the `layerdrop` lm-eval model on the row's own session."""
-        from layerdrop.runtime.harness import LayerdropLM
         from layerdrop.runtime.tasks import choice_scores
 
-        lm = LayerdropLM(path=str(self.folder), model=rewritten, session=session,
-                         batch_size=max(8, self.options.batch_size), progress=False)
-        return choice_scores(lm, self.held_out.items)
+        return choice_scores(self.lm(rewritten, session), self.held_out.items)
+
+    def validation_tasks(self, rewritten: ir.Model, session, items: int) -> list[int]:
+        """Each validation task item's outcome (1 right, 0 wrong; the first `items` of each task in
+        VALIDATION_TASKS, in order), through lm-eval's own task definitions and the `layerdrop` lm-eval model on
+        the row's own session."""
+        from layerdrop.runtime.standard_tasks import VALIDATION_TASKS, run_standard_tasks
+
+        outcomes = run_standard_tasks(self.lm(rewritten, session), list(VALIDATION_TASKS), limit=items,
+                                      tasks=VALIDATION_TASKS)
+        return [int(c) for name in VALIDATION_TASKS for c in outcomes[name].correct]
+
+    def lm(self, rewritten: ir.Model, session):
+        """The `layerdrop` lm-eval model of the rewritten graph on the row's own session."""
+        from layerdrop.runtime.harness import LayerdropLM
+
+        return LayerdropLM(path=str(self.folder), model=rewritten, session=session,
+                           batch_size=max(8, self.options.batch_size), progress=False)

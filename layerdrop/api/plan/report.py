@@ -3,10 +3,14 @@ needs, as dataclasses that serialise to plan.json's fields."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-_MEASURED = ("method", "alphas", "fits", "shift", "ridges", "blocks", "replaced_into", "run_ridge", "moves",
-             "kv_kept", "search_ppl", "eval_ppl")
+from layerdrop.errors import LayerdropError
+
+_MEASURED = ("method", "paper", "alphas", "fits", "shift", "ridges", "blocks", "replaced_into", "run_ridge",
+             "moves", "kv_kept", "search_ppl", "eval_ppl")
+_VALIDATION = ("validation_ppl", "validation_accuracy", "validation_correct")
 _ACCURACY = ("accuracy", "accuracy_correct")
 _AGAINST_BASELINE = ("accuracy_retained", "accuracy_difference", "accuracy_difference_se")
 _TIMED = ("speedup", "speedup_runs", "structure")
@@ -32,7 +36,11 @@ class PlanRow:
     kv_kept: float
     search_ppl: float
     eval_ppl: float
-    also_eval_ppl: dict[str, float] | None = None  # held-out text's file name -> perplexity
+    paper: bool = False  # a paper's method
+    also_eval_ppl: dict[str, float] | None = None  # held-out text's label (`reports.text_labels`) -> perplexity
+    validation_ppl: dict[str, float] | None = None  # validation kind -> perplexity
+    validation_accuracy: float | None = None  # on the validation task items
+    validation_correct: list[int] | None = None
     accuracy: float | None = None
     accuracy_correct: list[int] | None = None
     accuracy_retained: float | None = None
@@ -48,6 +56,7 @@ class PlanRow:
         row = {name: getattr(self, name) for name in _MEASURED}
         if self.also_eval_ppl is not None:
             row["also_eval_ppl"] = self.also_eval_ppl
+        row |= {name: getattr(self, name) for name in _VALIDATION if getattr(self, name) is not None}
         if self.accuracy is not None:
             row |= {name: getattr(self, name) for name in _ACCURACY}
         if self.compared:
@@ -93,11 +102,18 @@ class PlanResult:
     fit_text: dict | None
     fit_previous: bool
     skipped: list[str]
+    criterion: str = "guarded"
+    picks: dict = field(default_factory=dict)  # criterion -> the method it picks among the same rows
+    validation_texts: dict = field(default_factory=dict)  # validation kind -> its windows' source
+    validation_items: int = 0  # items of each validation task
     timings: dict = field(default_factory=dict)  # structure -> {"base_ms", "ms"}: every timed run, in order
     sizing: list[dict] = field(default_factory=list)  # the structures a speedup budget's sizing measured
     planner_log: list[dict] = field(default_factory=list)
     checkpoints: dict = field(default_factory=dict)  # "loaded", "computed": the work folder's entries, by this run
     notes: list[str] = field(default_factory=list)
+    removed: list[dict] = field(default_factory=list)  # the written model's removal records (its metadata)
+    run: dict = field(default_factory=dict)  # "runtime", "python": how to run the written model
+    reproduce: str = ""  # the command that makes this plan again
 
     def record(self) -> dict:
         """The plan as the written model's metadata holds it (plan.json without the search's log)."""
@@ -105,28 +121,121 @@ class PlanResult:
         return {"budget": self.budget, "attention_layers": self.attention_layers, "block_count": self.block_count,
                 "kv_fraction_kept": self.kv_fraction_kept, "moves": self.moves,
                 "baseline": {key: baseline[key] for key in ("search_ppl", "eval_ppl", "also_eval_ppl", "accuracy",
-                                                            "accuracy_correct") if key in baseline},
+                                                            "accuracy_correct", *_VALIDATION) if key in baseline},
                 "speedup_tokens": self.speedup_tokens, "methods": [row.to_dict() for row in self.rows],
                 "pick": self.pick.to_dict(), "search_seconds": self.search_seconds, "search_text": self.search_text,
                 "eval_text": self.eval_text, "also_eval_texts": self.also_eval_texts,
                 "accuracy_items": self.accuracy_items, "accuracy_task": self.accuracy_task,
                 "fit_text": self.fit_text, "fit_previous": self.fit_previous, "skipped": self.skipped,
-                "timings": self.timings, "sizing": self.sizing}
+                "criterion": self.criterion, "picks": self.picks, "validation_texts": self.validation_texts,
+                "validation_items": self.validation_items, "timings": self.timings, "sizing": self.sizing}
 
     def to_dict(self) -> dict:
-        """plan.json: `record()` and the search's log."""
-        return {**self.record(), "planner_log": self.planner_log}
+        """plan.json: `record()`, what was removed, how to run and reproduce it, and the search's log."""
+        return {**self.record(), "removed": self.removed, "run": self.run, "reproduce": self.reproduce,
+                "planner_log": self.planner_log}
 
 
-def choose_pick(rows: list[PlanRow], speedup: float | None = None) -> tuple[PlanRow, str | None]:
-    """The pick among the rows the allowed moves make: the lowest search perplexity; under a speedup budget
-    (`speedup`, with the table's timed column), among the rows whose speedup measured in the table reaches it,
-    since the sizing's shorter measurement can land a row just under it. Returns the row, and where no row reaches
-    the budget (the pick is then made among all), why."""
+CRITERIA = {
+    "guarded": "the validation choice, kept only if it is no worse than the best paper row (by the same measure) on "
+               "every validation kind and not worse on the validation task items by more than two paired standard "
+               "errors; else that paper row",
+    "validation": "the lowest geometric mean, over the validation kinds, of perplexity relative to the baseline",
+    "worst-kind": "the lowest worst-kind perplexity relative to the baseline over the validation kinds",
+    "tasks": "the highest accuracy on the validation task items (ties: the validation measure)",
+    "search": "the lowest perplexity on the search windows (the calibration kind, which the search chose on)",
+}
+DEFAULT_CRITERION = "guarded"
+
+
+def check_criterion(name: str) -> str:
+    """`name` if it is a pick criterion.
+
+    Raises:
+        LayerdropError: it is not one of CRITERIA.
+    """
+    if name not in CRITERIA:
+        raise LayerdropError(f"--pick {name!r} is not a pick criterion; use one of {', '.join(CRITERIA)}")
+    return name
+
+
+def _ratios(row: PlanRow, baseline: PlanRow) -> dict[str, float]:
+    """log(perplexity / the baseline's) on each validation kind (on the search windows where there are none)."""
+    if row.validation_ppl and baseline.validation_ppl:
+        return {kind: math.log(ppl / baseline.validation_ppl[kind]) for kind, ppl in row.validation_ppl.items()}
+    return {"search": math.log(row.search_ppl / baseline.search_ppl)}
+
+
+def _validation(row: PlanRow, baseline: PlanRow) -> float:
+    ratios = _ratios(row, baseline)
+    return sum(ratios.values()) / len(ratios)
+
+
+def _key(criterion: str, baseline: PlanRow):
+    if criterion == "search":
+        return lambda row: row.search_ppl
+    if criterion == "worst-kind":
+        return lambda row: (max(_ratios(row, baseline).values()), _validation(row, baseline))
+    if criterion == "tasks":
+        return lambda row: (-(row.validation_accuracy or 0.0), _validation(row, baseline))
+    return lambda row: _validation(row, baseline)
+
+
+TASK_TOLERANCE = 2.0  # paired standard errors by which the guard lets a row trail a paper row on the task items
+
+
+def _not_worse(row: PlanRow, paper: PlanRow, baseline: PlanRow) -> bool:
+    """Whether `row` is at least as good as `paper` on every validation kind, and on the validation task items not
+    worse by more than TASK_TOLERANCE paired standard errors of the difference over the same items (a few items'
+    difference among 150 is noise; where the outcomes are missing, the accuracies are compared as they are)."""
+    from layerdrop.runtime.tasks import paired_difference
+
+    mine, theirs = _ratios(row, baseline), _ratios(paper, baseline)
+    if any(mine[kind] > theirs[kind] for kind in mine):
+        return False
+    if row.validation_accuracy is None or paper.validation_accuracy is None:
+        return True
+    if row.validation_correct and paper.validation_correct:
+        difference, error = paired_difference(row.validation_correct, paper.validation_correct)
+        return difference >= -TASK_TOLERANCE * error and (error > 0 or difference >= 0)
+    return row.validation_accuracy >= paper.validation_accuracy
+
+
+def pick_by(rows: list[PlanRow], baseline: PlanRow, criterion: str) -> PlanRow:
+    """The row `criterion` (one of CRITERIA) picks among `rows`."""
+    if criterion == "guarded":
+        chosen = min(rows, key=_key("validation", baseline))
+        papers = [row for row in rows if row.paper]
+        if chosen.paper or not papers:
+            return chosen
+        best_paper = min(papers, key=_key("validation", baseline))
+        return chosen if _not_worse(chosen, best_paper, baseline) else best_paper
+    return min(rows, key=_key(criterion, baseline))
+
+
+def choose_pick(rows: list[PlanRow], baseline: PlanRow, criterion: str = DEFAULT_CRITERION,
+                speedup: float | None = None) -> tuple[PlanRow, str | None, dict[str, str]]:
+    """The pick among the rows the allowed moves make, by `criterion` (CRITERIA; the validation measures fall back
+    to the search perplexity where the plan has no validation windows, the task measure needs task items); under a
+    speedup budget (`speedup`, with the table's timed column), among the rows whose speedup measured in the table
+    reaches it, since the sizing's shorter measurement can land a row just under it. Returns the row, where no row
+    reaches the budget (the pick is then made among all) why, and the method every criterion picks among the same
+    rows.
+
+    Raises:
+        LayerdropError: `criterion` is "tasks" and the rows have no validation task items.
+    """
+    check_criterion(criterion)
+    has_items = all(row.validation_accuracy is not None for row in rows)
+    if criterion == "tasks" and not has_items:
+        raise LayerdropError("--pick tasks needs the validation task items: install the eval extra (pip install -e "
+                             "'.[eval]') and give --validation-items above 0, or pick by another criterion")
     reaching = [row for row in rows if speedup is None or row.speedup >= speedup]
-    if reaching:
-        return min(reaching, key=lambda row: row.search_ppl), None
-    best = max(row.speedup for row in rows)
-    return (min(rows, key=lambda row: row.search_ppl),
-            f"no row reached {speedup:g}x in the table's own timing (the fastest: {best:.2f}x); the pick is the "
-            "lowest search perplexity of all: raise the budget a little, or time more runs (--speedup-runs)")
+    short = None
+    if not reaching:
+        best = max(row.speedup for row in rows)
+        reaching = rows
+        short = (f"no row reached {speedup:g}x in the table's own timing (the fastest: {best:.2f}x); the pick is made "
+                 "among all rows: raise the budget a little, or time more runs (--speedup-runs)")
+    picks = {name: pick_by(reaching, baseline, name).method for name in CRITERIA if name != "tasks" or has_items}
+    return pick_by(reaching, baseline, criterion), short, picks

