@@ -84,20 +84,20 @@ def measure(built: dict, provider: str, seqs: list[int], contexts: list[int], ru
     root = built["root"]
     folders = [root / "base", root / "drop", root / "harp"]
     used = active_provider(make_session(folders[0] / "model.onnx", provider=provider, threads=threads))
-    args = {"provider": used, "threads": threads}
+    options = RunOptions(used, threads)
     rows: dict = {"prefill": [], "decode": [], "kv_bytes_per_token": [], "model_bytes": [], "peak_memory": []}
     for seq in seqs:
-        times = prefill_latency(folders, seq, runs=runs, **args)
-        ideals = [branch_ideal(folders[0], layers, seq, RunOptions(used, threads), runs=1)["ideal"]
+        times = prefill_latency(folders, seq, runs=runs, options=options)
+        ideals = [branch_ideal(folders[0], layers, seq, options, runs=1)["ideal"]
                   for layers in (built["dropped"], list(built["harp"]))]
         rows["prefill"].append({"seq": seq, "ms": [t["median_ms"] for t in times], "ideal": ideals})
     for context in contexts:
         speeds = decode_tokens_per_second(folders, prompt_len=context, new_tokens=32, rounds=2,
-                                          device_resident=True, **args)
+                                          device_resident=True, options=options)
         rows["decode"].append({"context": context, "tokens_per_s": speeds})
     rows["kv_bytes_per_token"] = [kv_bytes_per_token(load(f)[1]) for f in folders]
     rows["model_bytes"] = [model_bytes(f) for f in folders]
-    rows["peak_memory"] = [peak_memory(f, max(seqs), **args) for f in folders]
+    rows["peak_memory"] = [peak_memory(f, max(seqs), options=options) for f in folders]
     rows["provider"] = used
     return rows
 

@@ -1,6 +1,6 @@
 """Reproduce the results tables of the README and docs/results/ in one command.
 
-    python benchmarks/reproduce.py --model smollm2 [--quick] [--only pipeline,planner,deploy] [--out docs/results]
+    python benchmarks/reproduce.py --model smollm2 [--quick] [--only pipeline,planner,criteria,deploy]
     python benchmarks/reproduce.py --model smollm2 --render-only
 
 Each section runs the `layerdrop` commands a user would (printed as they run), keeps their outputs under
@@ -16,6 +16,8 @@ Sections:
             file bytes (every output fused as the pipeline writes it), and peak memory while generating.
   planner   the planner's default plan at attn=N calibrated on the mixed text (held out on prose, docs, code and
             the dictionary), and the speedup plan (25% less prefill time, fitted maps and block moves allowed).
+  criteria  the plan at attn=N calibrated on prose alone, held out on prose, docs, code and the dictionary: which
+            row each pick criterion takes, against the best paper row (on the mix: the planner section).
   deploy    `layerdrop pipeline` fp32 and `--quantize int4` against onnxruntime-genai's model builder graph of the
             same model, with the deployment goals (the fused export within 1.1x of the builder graph's time;
             each pruned output at 0.95 of the drop's ideal speedup or more), and the builder's own int4 graph
@@ -30,9 +32,11 @@ run) in minutes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import hashlib
 import json
+import math
 import os
 import platform
 import re
@@ -43,7 +47,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ("pipeline", "planner", "deploy")
+SECTIONS = ("pipeline", "planner", "criteria", "deploy")
 MODELS = {  # the known model each name stands for, the planner section's budget, and its extra plan options
     "smollm2": {"source": "smollm2-135m", "planner_attn": 8, "plan_args": []},
     "gemma3": {"source": "gemma3-270m", "planner_attn": 4,
@@ -162,18 +166,114 @@ def section_pipeline(work: Path, source: str, config: dict, s: dict, run: Runner
             "generation_memory": read(path)["generation_memory"]}
 
 
-def section_planner(work: Path, source: str, config: dict, s: dict, run: Runner, attn: int) -> dict:
+def scored_model(work: Path, source: str, s: dict, run: Runner) -> Path:
+    """The planner sections' scored export (scores on the mix), made once."""
     out = work / "planner"
     export = export_folder(work, source, run)
     run("score", "score", str(export), "-o", str(out / "scored"), "--calib", "calib", "--samples", str(s["samples"]),
         "--seq-len", str(s["seq_len"]), "--force", "--json", str(out / "score.json"))
-    run("plan default", "plan", str(out / "scored"), "-o", str(out / "plan"), "--budget", f"attn={attn}",
-        "--calib", "calib", *config["plan_args"], *s["quick"], "--also-eval", "docs", "--also-eval", "code",
-        "--also-eval", "dictionary", "--force", "--json", str(out / "plan.json"))
-    run("plan speedup", "plan", str(out / "scored"), "-o", str(out / "speedup"), "--budget",
+    return out / "scored"
+
+
+def attention_plan(step: str, name: str, scored: Path, calib: str, config: dict, s: dict, run: Runner,
+                   attn: int) -> dict:
+    """`plan --budget attn=N --calib CALIB -o NAME`, held out on prose, docs, code and the dictionary; its
+    plan.json."""
+    out = scored.parent
+    run(step, "plan", str(scored), "-o", str(out / name), "--budget", f"attn={attn}", "--calib", calib,
+        *config["plan_args"], *s["quick"], "--also-eval", "docs", "--also-eval", "code", "--also-eval", "dictionary",
+        "--force", "--json", str(out / f"{name}.json"))
+    return slim_plan(read(out / f"{name}.json"))
+
+
+def section_planner(work: Path, source: str, config: dict, s: dict, run: Runner, attn: int) -> dict:
+    scored = scored_model(work, source, s, run)
+    default = attention_plan("plan default", "plan", scored, "calib", config, s, run, attn)
+    run("plan speedup", "plan", str(scored), "-o", str(scored.parent / "speedup"), "--budget",
         f"speedup={SPEEDUP}@{s['speedup_tokens']}", "--moves", "blocks,fit", *s["quick"], "--also-eval", "docs",
-        "--also-eval", "code", "--force", "--json", str(out / "speedup.json"))
-    return {"default": slim_plan(read(out / "plan.json")), "speedup": slim_plan(read(out / "speedup.json"))}
+        "--also-eval", "code", "--force", "--json", str(scored.parent / "speedup.json"))
+    return {"default": default, "speedup": slim_plan(read(scored.parent / "speedup.json"))}
+
+
+def section_criteria(work: Path, source: str, config: dict, s: dict, run: Runner, attn: int) -> dict:
+    """The plan at attn=N calibrated on one kind (prose), held out on prose, docs, code and the dictionary: every
+    row's validation evidence and which row each pick criterion takes (calibrated on the mix: the planner
+    section's default plan)."""
+    scored = scored_model(work, source, s, run)
+    return {"prose": attention_plan("plan prose", "plan-prose", scored, "prose", config, s, run, attn)}
+
+
+def current_picks(plan: dict) -> dict[str, str]:
+    """The row each pick criterion of this layerdrop takes among the plan's measured rows (those its moves allow):
+    plan.json's own `picks` are those of the version that measured it."""
+    from layerdrop.api.plan import PlanRow, choose_pick
+
+    names = {f.name for f in dataclasses.fields(PlanRow)}
+    empty = {"method": "baseline", "alphas": {}, "fits": [], "shift": False, "ridges": {}, "blocks": [],
+             "replaced_into": None, "run_ridge": None, "moves": [], "kv_kept": 1.0}
+
+    def as_row(entry: dict) -> PlanRow:
+        return PlanRow(**{**empty, **{k: v for k, v in entry.items() if k in names}})
+
+    rows = [as_row(m) for m in plan["methods"] if set(m["moves"]) <= set(plan["moves"])]
+    return choose_pick(rows, as_row(plan["baseline"]), plan.get("criterion", "guarded"))[2]
+
+
+def render_criteria_table(plan: dict) -> str:
+    """Each criterion's pick and the best paper row on every held-out text, as a ratio to the baseline's
+    perplexity, with the accuracy column."""
+    texts = [plan["eval_text"]["file"], *(t["file"] for t in plan.get("also_eval_texts", []))]
+    base = plan["baseline"]
+    rows = {m["method"]: m for m in plan["methods"]}
+
+    def held(row: dict) -> list[float]:
+        also = row.get("also_eval_ppl", {})
+        return [row["eval_ppl"], *(also[t] for t in texts[1:])]
+
+    def spread(row: dict) -> float:  # the mean log ratio to the baseline over the held-out texts
+        pairs = list(zip(held(row), held(base)))
+        return sum(math.log(mine / theirs) for mine, theirs in pairs) / len(pairs)
+
+    def cells(row: dict) -> list[str]:
+        ratios = [f"{mine / theirs:.3f}" for mine, theirs in zip(held(row), held(base))]
+        accuracy = [f"{100 * row['accuracy']:.1f}"] if plan.get("accuracy_items") else []
+        return ratios + [f"{math.exp(spread(row)):.3f}"] + accuracy
+
+    head = ["row", "chosen by", *(f"held-out ppl / baseline ({t})" for t in texts), "geometric mean"]
+    head += [f"accuracy, {plan['accuracy_items']} items, %"] if plan.get("accuracy_items") else []
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    papers = [m for m in plan["methods"] if m.get("paper")]
+    best = min(papers, key=spread, default=None)
+    if best is not None:
+        lines.append(f"| {best['method']} | best paper row on the held-out texts (hindsight) | "
+                     + " | ".join(cells(best)) + " |")
+    picks = current_picks(plan)
+    for method in dict.fromkeys(picks.values()):
+        chooser = ", ".join(f"**{n}**" if n == plan.get("criterion") else n for n, m in picks.items() if m == method)
+        lines.append(f"| {method} | {chooser} | " + " | ".join(cells(rows[method])) + " |")
+    return "\n".join(lines)
+
+
+def render_criteria(data: dict) -> str:
+    plan = data["results"]["prose"]
+    kinds = ", ".join(plan.get("validation_texts", {})) or "none"
+    return "\n\n".join([
+        f"Calibrated on prose alone ({plan['budget']}; scores on the mix); validation kinds: {kinds}; validation task "
+        f"items: {3 * plan.get('validation_items', 0)} (ARC-Easy, ARC-Challenge, OpenBookQA validation). Held out: "
+        f"{plan['eval_text'].get('samples')} windows of {plan['eval_text'].get('seq_len')} tokens of each text; "
+        f"accuracy: {plan.get('accuracy_items', 0)} multiple-choice next-token items built from "
+        f"{plan['eval_text']['file']}. Each criterion's pick, and the paper row that did best on the held-out texts "
+        "(known only in hindsight):",
+        render_criteria_table(plan), *written_note(plan), "Every row:", render_plan(plan)])
+
+
+def written_note(plan: dict) -> list[str]:
+    """A line where the plan that measured the rows wrote another pick than this version's criterion takes."""
+    now = current_picks(plan).get(plan.get("criterion", "guarded"))
+    if now is None or now == plan["pick"]["method"]:
+        return []
+    return [f"The plan that measured these rows ran an earlier form of the `{plan.get('criterion')}` criterion and "
+            f"wrote {plan['pick']['method']}; the criteria above are this version's, applied to the same rows."]
 
 
 def section_deploy(work: Path, source: str, config: dict, s: dict, run: Runner) -> dict:
@@ -263,6 +363,12 @@ def render_plan(plan: dict) -> str:
             f"search ppl ({plan['search_text']['file']})", *(f"held-out ppl ({t})" for t in texts)]
     if plan.get("accuracy_items"):
         head.append(f"accuracy, {plan['accuracy_items']} items, %")
+    kinds = list(plan.get("validation_texts") or {})
+    base_validation = plan["baseline"].get("validation_ppl") or {}
+    if kinds:
+        head.append(f"validation ppl / baseline's (geometric mean, {len(kinds)} kinds)")
+    if plan.get("validation_items"):
+        head.append(f"validation tasks, {3 * plan['validation_items']} items, %")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in [{"method": "baseline", "kv_kept": 1.0, "speedup": 1.0, **plan["baseline"]}, *plan["methods"]]:
         if row.get("replaced_into"):
@@ -273,6 +379,11 @@ def render_plan(plan: dict) -> str:
                  f"{row['eval_ppl']:.2f}", *(f"{also[t]:.2f}" if t in also else "-" for t in texts[1:])]
         if plan.get("accuracy_items"):
             cells.append("-" if row.get("accuracy") is None else f"{100 * row['accuracy']:.1f}")
+        if kinds:
+            logs = [math.log(row["validation_ppl"][k] / base_validation[k]) for k in kinds]
+            cells.append(f"{math.exp(sum(logs) / len(logs)):.3f}")
+        if plan.get("validation_items"):
+            cells.append(f"{100 * row['validation_accuracy']:.1f}")
         if row["method"] == plan["pick"]["method"]:
             cells[0] = f"**{cells[0]}**"
         lines.append("| " + " | ".join(cells) + " |")
@@ -283,9 +394,10 @@ def render_plan(plan: dict) -> str:
 
 def render_planner(data: dict) -> str:
     r = data["results"]
-    return "\n\n".join([f"Default plan ({r['default']['budget']}, calibrated on the mixed text):",
-                        render_plan(r["default"]), f"Speedup plan ({r['speedup']['budget']}):",
-                        render_plan(r["speedup"])])
+    parts = [f"Default plan ({r['default']['budget']}, calibrated on the mixed text):", render_plan(r["default"])]
+    if r["default"].get("picks"):
+        parts += ["Each criterion's pick:", render_criteria_table(r["default"])]
+    return "\n\n".join([*parts, f"Speedup plan ({r['speedup']['budget']}):", render_plan(r["speedup"])])
 
 
 def render_deploy(data: dict) -> str:
@@ -365,9 +477,11 @@ def render_goals(reports: dict) -> str:
     return "\n".join(lines)
 
 
-RENDER = {"pipeline": render_pipeline, "planner": render_planner, "deploy": render_deploy}
+RENDER = {"pipeline": render_pipeline, "planner": render_planner, "criteria": render_criteria,
+          "deploy": render_deploy}
 TITLES = {"pipeline": "The pipeline, HARP and the planner at the same count",
-          "planner": "The planner", "deploy": "Deployment: fused, int4 and the model builder's graph"}
+          "planner": "The planner", "criteria": "How the pick is chosen: criteria on data the choice never saw",
+          "deploy": "Deployment: fused, int4 and the model builder's graph"}
 
 
 def stamp(data: dict, model: str, section: str) -> str:
@@ -375,7 +489,12 @@ def stamp(data: dict, model: str, section: str) -> str:
             f"{data['commit'][:10]}{' (with changes)' if data['dirty'] else ''}, layerdrop "
             f"{data['versions']['layerdrop']}, ONNX Runtime {data['versions']['onnxruntime']}; "
             f"`python benchmarks/reproduce.py --model {model} --only {section}"
-            f"{' --quick' if data['args']['quick'] else ''}` ({data['seconds_total'] / 60:.1f} minutes).")
+            f"{' --quick' if data['args']['quick'] else ''}` ({_minutes(data):.1f} minutes).")
+
+
+def _minutes(data: dict) -> float:
+    """The section's time: its own run's, or where it resumed, the sum of its commands' recorded times."""
+    return max(data["seconds_total"], sum(data.get("seconds", {}).values())) / 60
 
 
 def render(out: Path, model: str, readme: Path) -> None:
@@ -474,6 +593,8 @@ def main(argv: list[str] | None = None) -> int:
                 results = section_pipeline(work, source, config, s, run)
             elif section == "planner":
                 results = section_planner(work, source, config, s, run, key["planner_attn"])
+            elif section == "criteria":
+                results = section_criteria(work, source, config, s, run, key["planner_attn"])
             else:
                 results = section_deploy(work, source, config, s, run)
             data = {"section": section, "model": args.model, "args": key, **facts,
