@@ -165,3 +165,37 @@ def test_where_a_float16_export_fits_a_refused_command_names_it_and_on_it_the_co
     assert main(["export", str(hf_folder("llama")), "-o", str(tmp_path / "f16"), "--dtype", "float16"]) == 0
     assert _estimate("score", tmp_path / "f16") <= limit
     assert main(["score", str(tmp_path / "f16"), *FAST, "--memory-limit", str(limit)]) == 0
+
+
+PIPELINE_RUN = ["--samples", "2", "--seq-len", str(TOKENS), "--eval-samples", "2", "--seq", str(TOKENS), "--runs", "1",
+                "--no-progress", "--no-builder"]
+
+
+def test_a_pipeline_over_a_stated_memory_limit_is_refused_before_it_writes_anything(exported, capsys, tmp_path):
+    """An ONNX folder in: the bench holds its base and the rewritten model at once, each after a run of the longest
+    window; one byte under that is refused with nothing written, and at it the whole pipeline runs."""
+    model = exported("llama", True)
+    estimate = (memory.session_peak(_weight_bytes(model), 2)
+                + 2 * int(memory.ACTIVATION_COPIES * TOKENS * VOCAB * 4))
+    capsys.readouterr()
+    argv = ["pipeline", str(model), "-o", str(tmp_path / "out"), *PIPELINE_RUN]
+    code = main([*argv, "--memory-limit", str(estimate - 1)])
+    _refused_with_nothing_written(code, capsys.readouterr().err, tmp_path)
+    code = main([*argv, "--memory-limit", str(estimate)])
+    assert code == 0, capsys.readouterr().err
+    assert (tmp_path / "out" / "pruned" / "model.onnx").is_file()
+
+
+def test_a_pipeline_from_a_hugging_face_folder_is_refused_before_it_exports_and_names_the_float16_start(
+        hf_folder, capsys, tmp_path):
+    """A Hugging Face folder in: the estimate is the bench's three sessions (base, rewritten model, builder's graph)
+    on float32 weights of the parameters PyTorch counts; the refusal names the float16 export to start from."""
+    parameters = _parameters("qwen2")
+    activations = 3 * int(memory.ACTIVATION_COPIES * TOKENS * VOCAB * 4)
+    estimate = memory.session_peak(4 * parameters, 3) + activations
+    capsys.readouterr()
+    argv = ["pipeline", str(hf_folder("qwen2")), "-o", str(tmp_path / "out"), *PIPELINE_RUN[:-1]]
+    code = main([*argv, "--memory-limit", str(estimate - 1)])
+    err = capsys.readouterr().err
+    _refused_with_nothing_written(code, err, tmp_path)
+    assert "--dtype float16" in err and "layerdrop pipeline OUT" in err

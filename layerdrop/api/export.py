@@ -28,8 +28,8 @@ def export(source: Path | None, out_dir: Path, *, kv_cache: bool = True, dtype: 
 
     out_dir = Path(out_dir)
     reserve_output(out_dir, inputs=[source] if source else [], force=force)
-    weights, converting = _weights(source)
-    parameters = _parameters(weights) if weights is not None else None
+    weights, converting = weights_of(source)
+    parameters = parameters_of(weights) if weights is not None else None
     if parameters:
         guard_export(parameters, dtype, out_dir, memory.memory_limit(memory_limit),
                      convert_into=weights.parent if converting else None, folder=weights if weights.is_dir() else None)
@@ -66,7 +66,7 @@ def guard_export(parameters: int, dtype: str, out_dir: Path, limit: int, *, conv
     memory.check_disk(needed, out_dir.parent, f"exporting {parameters / 1e9:.2f}B parameters in {dtype}")
 
 
-def _weights(source: Path | None) -> tuple[Path | None, bool]:
+def weights_of(source: Path | None) -> tuple[Path | None, bool]:
     """The weights an estimate reads for `source`, and whether a known model's GGUF is still to be converted."""
     from layerdrop.export.default_model import DEFAULT_MODEL, known_model, known_model_weights
 
@@ -79,7 +79,7 @@ def _weights(source: Path | None) -> tuple[Path | None, bool]:
     return weights, weights.is_file()
 
 
-def _parameters(weights: Path) -> int | None:
+def parameters_of(weights: Path) -> int | None:
     """The parameters of `weights`; None where the files state none or are damaged (the loader then says why)."""
     try:
         return memory.parameter_count(weights)

@@ -12,11 +12,12 @@ import sys
 import time
 from pathlib import Path
 
-from layerdrop import model_folder
+from layerdrop import memory, model_folder
 from layerdrop.api.common import (
     DEFAULT_SAMPLES,
     DEFAULT_SEQ_LEN,
     fusion_passes,
+    guard_memory,
     quantize_pass,
     save_model,
     write_json,
@@ -86,6 +87,7 @@ def pipeline(
     fuse: bool = True,
     builder: bool = True,
     quantize: str | None = None,
+    memory_limit: int | None = None,
 ) -> dict:
     """Run the whole pipeline; returns the report (also written to OUTDIR/report.json, and as `pipeline_summary`
     to OUTDIR/report.md): the side-by-side figures, the layers removed (read back from the output model), the texts
@@ -100,27 +102,36 @@ def pipeline(
     would have shipped without layerdrop. Every stage runs with `options`' provider and threads; its batch size is
     the search's and the evaluation's (the score stage and the bench run one sequence a run).
 
+    Before anything is written, the pipeline's peak memory is estimated (`guard_pipeline`: the bench's sessions on
+    the float32 export, the builder's graph and the rewritten model at once) and refused over `memory_limit`
+    (None: $LAYERDROP_MEMORY_LIMIT, else 16 GB); every stage also checks its own estimate.
+
     Raises:
-        LayerdropError: conflicting selections, or an OUTDIR that holds other files without --force/--resume.
+        LayerdropError: conflicting selections, an OUTDIR that holds other files without --force/--resume, or an
+            estimate over the memory limit.
     """
     if sum(x is not None for x in (attn, joint, harp_top)) > 1:
         raise LayerdropError("choose one of --attn, --joint, --harp")
     out_dir = Path(out_dir)
     if out_dir.is_dir() and any(out_dir.iterdir()) and not (resume or force):
         raise LayerdropError(f"{out_dir} is not empty; pass --resume to reuse its stages or --force to redo them")
+    source = Path(model) if model else None
+    onnx_input = source is not None and source.is_dir() and (source / "model.onnx").is_file()
+    sessions = 2 + (builder and not onnx_input)  # the bench: its base, the rewritten model, the builder's graph
+    guard_pipeline(source, memory_limit, sessions=max(sessions, memory.QUANTIZE_COPIES if quantize else 0),
+                   tokens=max(max(bench_seq), options.batch_size * seq_len))
     out_dir.mkdir(parents=True, exist_ok=True)
     exported, scored, pruned = out_dir / "export", out_dir / "scored", out_dir / "pruned"
     redo = not resume
     one_a_run = RunOptions(options.provider, options.threads)
 
-    source = Path(model) if model else None
     key = _fingerprint("export", str(source.resolve()) if source else "default")
-    if source is not None and source.is_dir() and (source / "model.onnx").is_file():
+    if onnx_input:
         exported = source  # already an ONNX folder: start from it
     else:
         def export() -> None:
             from layerdrop.api.export import export as export_model
-            export_model(source, exported, kv_cache=True, force=True)
+            export_model(source, exported, kv_cache=True, force=True, memory_limit=memory_limit)
         redo |= _stage("export", exported, key, resume, export)
 
     # stages written through the quantizer are redone when its settings change
@@ -129,7 +140,7 @@ def pipeline(
                        sampling)
     redo |= _stage("score", scored, key, resume and not redo, lambda: score(
         exported, scored, calib=calib, samples=samples, seq_len=seq_len, sampling=sampling,
-        options=one_a_run, force=True, progress=progress))
+        options=one_a_run, force=True, progress=progress, memory_limit=memory_limit))
 
     scored_info = inspect(scored)
     layers, scored_calibration = int(scored_info["regions"][-1]["layer"]) + 1, scored_info["calibration"]
@@ -138,13 +149,14 @@ def pipeline(
         key = _fingerprint("harp", _stamp_of(scored), harp_top, _file_digest(calib), sampling, fuse, quantized)
         _stage(method, pruned, key, resume and not redo, lambda: harp(
             scored, pruned, top=harp_top, search=True, search_text=calib, sampling=sampling, options=options,
-            force=True, progress=progress, fuse=fuse, quantize=quantize))
+            force=True, progress=progress, fuse=fuse, quantize=quantize, memory_limit=memory_limit))
     else:
         counts = {"joint": joint} if joint is not None else {"attn": attn if attn is not None else max(1, layers // 4)}
         method = "-".join(f"{k}-{v}" for k, v in counts.items())
         key = _fingerprint("drop", _stamp_of(scored), counts, fuse, quantized)
         _stage(method, pruned, key, resume and not redo,
-               lambda: drop(scored, pruned, counts=counts, force=True, fuse=fuse, quantize=quantize))
+               lambda: drop(scored, pruned, counts=counts, force=True, fuse=fuse, quantize=quantize,
+                            memory_limit=memory_limit))
 
     bench_base = exported
     if fuse or quantize:  # the base written the way the output is, so the bench times the rewrite alone
@@ -158,13 +170,13 @@ def pipeline(
 
     print("[eval] ...", file=sys.stderr)
     quality = [evaluate(folder, text=eval_text, samples=eval_samples, seq_len=seq_len, sampling=sampling,
-                        options=options, progress=progress)
+                        options=options, progress=progress, memory_limit=memory_limit)
                for folder in (bench_base, pruned)]
     print("[bench] ...", file=sys.stderr)
     from layerdrop.api.bench import bench
 
     speed = bench(bench_base, pruned, seqs=bench_seq, runs=bench_runs, options=one_a_run,
-                  reference=reference)
+                  reference=reference, memory_limit=memory_limit)
     removed = inspect(pruned)["removed"]  # read back from the output, so the report says what the file holds
     runtime, snippet = run_snippet(pruned)
     command = reproduce_command("pipeline", [model], {
@@ -185,6 +197,36 @@ def pipeline(
     write_json(report, out_dir / "report.json")
     write_atomically(out_dir / "report.md", pipeline_summary(report) + "\n")
     return report
+
+
+def guard_pipeline(source: Path | None, memory_limit: int | None, *, sessions: int, tokens: int) -> None:
+    """Refuse a pipeline on `source` (an ONNX folder, a Hugging Face folder, a GGUF file, a known model's name or
+    None for the default) whose peak memory, `sessions` ONNX Runtime sessions on its float32 weights held at once
+    after runs of `tokens` tokens, is over `memory_limit`. A model whose files state no parameter shapes is not
+    estimated here (each stage still checks its own).
+
+    Raises:
+        LayerdropError: an estimate over the limit, naming the float16 export the pipeline can start from.
+    """
+    if source is not None and source.is_dir() and (source / "model.onnx").is_file():
+        guard_memory("pipeline", [source], memory_limit, copies=sessions, tokens=tokens)
+        return
+    from layerdrop.api.export import parameters_of, weights_of
+
+    weights = weights_of(source)[0]
+    parameters = parameters_of(weights) if weights is not None else None
+    if not parameters:
+        return
+    limit = memory.memory_limit(memory_limit)
+    vocabulary = model_folder.config(weights).get("vocab_size", 0) if weights.is_dir() else 0
+    activations = sessions * memory.activation_peak(tokens, vocabulary if isinstance(vocabulary, int) else 0)
+    estimate = memory.session_peak(4 * parameters, sessions) + activations
+    halved = memory.session_peak(2 * parameters, sessions) + activations
+    name = str(source) if source is not None else "MODEL"
+    fits = (f"its float16 export would need about {memory.gigabytes(halved)} (layerdrop export {name} -o OUT "
+            "--dtype float16, then layerdrop pipeline OUT)") if halved <= limit else (
+            "a float16 export would not fit either; run it where more memory is free")
+    memory.check_memory(estimate, limit, f"pipeline on {memory.gigabytes(4 * parameters)} of float32 weights", fits)
 
 
 def _unless(value, default):

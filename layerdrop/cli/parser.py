@@ -222,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     _quantize_option(p)
     p.add_argument("--batch-size", type=parse_count, default=1, help="windows per ONNX Runtime run")
     _sampling_options(p)
+    _memory_option(p)
     _common(p)
 
     p = sub.add_parser("plan", help="for a budget, choose which attention layers or blocks go and "
