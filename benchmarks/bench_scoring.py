@@ -1,4 +1,4 @@
-"""Scoring speed (issue 3): layerdrop's ORT scoring vs a plain ORT forward vs PyTorch forward hooks.
+"""Scoring speed: layerdrop's ORT scoring vs a plain ORT forward vs PyTorch forward hooks.
 
     python benchmarks/bench_scoring.py --model out/smollm2-kv --hf ~/.cache/layerdrop/SmolLM2-135M-Instruct
 

@@ -1,4 +1,4 @@
-"""Issue 19: reading a calibration text costs what the windows need, not what the file holds.
+"""Reading a calibration text costs what the windows need, not what the file holds.
 
 Writes a text of about 1 GB (the bundled texts repeated, each copy numbered so no two are alike) and the same
 content as JSON Lines (one paragraph a record), then times `layerdrop score MODEL --calib X --samples 64` on the

@@ -1,4 +1,4 @@
-"""Issue 18: one prepared benchmark for a GPU (and, with short lengths, for CPU so it cannot rot).
+"""One prepared benchmark for a GPU (and, with short lengths, for CPU so it cannot rot).
 
 Speed does not depend on weight values, so each model is built on the spot with random weights in a real model's
 shape (Llama-3.2-1B: 16 layers, hidden 2048, GQA 32/8 heads; SmolLM2-135M: 30 layers, hidden 576, 9/3 heads),

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU run of issue 18 as one command, for a machine with PyTorch (CUDA 13) but no onnxruntime-gpu and no
+# The GPU benchmark as one command, for a machine with PyTorch (CUDA 13) but no onnxruntime-gpu and no
 # network. Bring the onnxruntime-gpu 1.31.1 wheel (CUDA 13, 255 MB) in parts first, one device call each:
 #   here:   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
 #               -d .whl onnxruntime-gpu==1.31.1 && split -b 60M .whl/onnxruntime_gpu-*.whl .whl/ort-gpu.part-

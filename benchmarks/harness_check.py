@@ -1,4 +1,4 @@
-"""The lm-eval adapter on the default model (issue 10): `layerdrop` (ONNX Runtime) against lm-eval's `hf` model.
+"""The lm-eval adapter on the default model: `layerdrop` (ONNX Runtime) against lm-eval's `hf` model.
 
     python benchmarks/harness_check.py --base out/pipeline/export --pruned out/attn8 --json bench-out/harness.json
 

@@ -1,4 +1,4 @@
-"""Issue 16: ReplaceMe's block move. Its selection and its fit equal an independent PyTorch + numpy computation,
+"""ReplaceMe's block move. Its selection and its fit equal an independent PyTorch + numpy computation,
 the rewritten graph equals PyTorch with the run removed and the transform in place, and the transform is folded
 into the down-projection wherever that is exact."""
 

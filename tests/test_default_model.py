@@ -100,7 +100,7 @@ def test_default_model_drop_matches_torch_identity(smollm2_kv, torch_model, real
 
 def test_default_model_builder_folder_score_drop_eval_harp_and_genai(smollm2_hf, torch_model, real_windows,
                                                                      tmp_path):
-    """Issue 7's workflow on the real model: onnxruntime-genai's builder folder -> score -> drop -> eval, and
+    """The builder workflow on the real model: onnxruntime-genai's builder folder -> score -> drop -> eval, and
     harp; both results match PyTorch and generate in onnxruntime-genai what ONNX Runtime generates."""
     pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed")
     from tests.genai_helpers import genai_greedy, run_builder

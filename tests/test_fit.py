@@ -1,4 +1,4 @@
-"""Issue 16: the fit move. An attention branch replaced by Norm(X) W + b fitted bottom-up on calibration states
+"""The fit move. An attention branch replaced by Norm(X) W + b fitted bottom-up on calibration states
 equals a PyTorch model with maps fitted independently (hooks and numpy's lstsq) on the same windows."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 7: graphs from onnxruntime-genai's model builder in and out.
+"""Graphs from onnxruntime-genai's model builder in and out.
 
 The builder's graph (GroupQueryAttention with rotary inside, packed qkv, SkipSimplifiedLayerNormalization) goes
 through scoring, drops and HARP; the result equals PyTorch with the same modules replaced, and onnxruntime-genai
@@ -172,7 +172,7 @@ def test_fuse_restores_the_builder_form(built, torch_model, tmp_path, rng):
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_layerdrops_own_exports_and_their_rewrites_are_served_by_genai(exported, family, tmp_path, rng):
     """A KV export carries genai_config.json; onnxruntime-genai generates what a plain ORT session generates, on
-    the export and on a drop, a HARP bypass with the mean shift, and a fitted layer of it (issue 17)."""
+    the export and on a drop, a HARP bypass with the mean shift, and a fitted layer of it."""
     from layerdrop.api.common import save_model
     from layerdrop.passes.cleanup import run_passes
     from layerdrop.search.fit import fit_attention

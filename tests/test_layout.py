@@ -1,4 +1,4 @@
-"""Issue 15: the code's layout holds. Imports go down only (cli -> api -> search -> {passes, runtime, export} ->
+"""The code's layout holds. Imports go down only (cli -> api -> search -> {passes, runtime, export} ->
 {model_folder, windows} -> {formats, errors, paths}), with no cycle, also through imports made inside functions; and
 torch stays inside layerdrop.export."""
 
