@@ -388,3 +388,51 @@ def test_plan_rows_validation_items_and_windows_match_lm_eval_hf_model_and_torch
     assert result["validation_texts"]["calibration kind"]["starts"] == windows.source["starts"]
     assert result["baseline"]["validation_ppl"]["calibration kind"] == pytest.approx(
         torch_perplexity(torch_model, windows.ids), rel=1e-4)
+
+
+def test_plan_papers_tasks_column_matches_lm_eval_hf_model_on_the_first_items_and_torch(exported, hf_folder,
+                                                                                      tmp_path, capsys):
+    """`plan --task-items 2`: each row's outcome on the first two items of each of the papers' tasks equals lm-eval's
+    `hf` model with lm-eval's own task definitions (the one-shot drop's with the same attention layers replaced by
+    zero branches in PyTorch), and the table's cell is their average over tasks with its retained figures."""
+    from layerdrop.cli import main
+    from layerdrop.runtime.standard_tasks import PAPERS, STANDARD_TASKS
+    from tests.torch_reference import replaced
+
+    folder = exported("llama", True)
+    code = main(["plan", str(folder), "-o", str(tmp_path / "plan"), "--budget", "attn=1", "--samples", "4",
+                 "--search-samples", "2", "--eval-samples", "2", "--seq-len", "32", "--extra", "1", "--moves",
+                 "drop,bypass", "--accuracy-items", "0", "--validation-items", "0", "--validation-samples", "0",
+                 "--task-items", "2", "--no-progress", "--json", str(tmp_path / "plan.json")])
+    assert code == 0, capsys.readouterr().err
+    table = capsys.readouterr().out
+    result = json.loads((tmp_path / "plan.json").read_text())
+    assert result["task_items"] == 2
+
+    def expected(model) -> dict[str, list[float]]:
+        found = _reference(_hf_model(model, folder), tmp_path)["samples"]
+        return {name: [float(s[STANDARD_TASKS[name].metric]) for s in _by_doc(found[name])][:2] for name in PAPERS}
+
+    torch_model = _hf_reference(hf_folder)
+    base = expected(torch_model)
+    assert result["baseline"]["tasks_correct"] == base
+    row = next(r for r in result["methods"] if r["method"].startswith("paper 1: one-shot"))
+    dropped = expected(replaced(torch_model, [("attn", int(layer)) for layer in row["alphas"]]))
+    assert row["tasks_correct"] == dropped
+    assert row["tasks_chance"]["arc_easy"] == pytest.approx((1 / 4 + 1 / 3) / 2)
+    assert row["tasks_chance"]["lambada_openai"] == 0.0
+    average = 100 * np.mean([np.mean(v) for v in dropped.values()])
+    line = next(line for line in table.splitlines() if line.lstrip("| *").startswith("paper 1: one-shot"))
+    assert line.rstrip(" |").split(" | ")[-1].startswith(f"{average:.1f} (")
+    assert "papers' tasks, 2 items each" in table
+
+
+def test_plan_task_items_below_zero_is_one_line_and_writes_nothing(exported, tmp_path, capsys):
+    from layerdrop.cli import main
+
+    folder = exported("llama", True)
+    capsys.readouterr()
+    code = main(["plan", str(folder), "-o", str(tmp_path / "plan"), "--budget", "attn=1", "--task-items", "-1"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "--task-items" in err, err
+    assert not (tmp_path / "plan").exists()

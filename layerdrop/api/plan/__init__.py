@@ -89,6 +89,7 @@ def plan(
     pick: str = DEFAULT_CRITERION,
     validation_samples: int = VALIDATION_SAMPLES,
     validation_items: int = VALIDATION_ITEMS,
+    task_items: int = 0,
     options: RunOptions = RunOptions(),
     force: bool = False,
     progress: bool = True,
@@ -113,7 +114,9 @@ def plan(
     each validation kind (the calibration text's held-out part, the bundled mix, the model's own text) and the
     first `validation_items` validation items of ARC-Easy, ARC-Challenge and OpenBookQA, which no fit, mean or
     search sees; on `eval_text` and each `also_eval` text, which nothing is chosen on; on `accuracy_items`
-    multiple-choice items of the held-out text (lm-eval, 0: no column); and with `speedup_runs` > 0 timed at
+    multiple-choice items of the held-out text (lm-eval, 0: no column); on the first `task_items` items of each of
+    the papers' standard tasks (`runtime.standard_tasks.PAPERS`, lm-eval's definitions, offline; 0: no column),
+    which nothing is chosen on either; and with `speedup_runs` > 0 timed at
     `speedup_tokens` tokens. `self_samples` windows the model writes itself join every fit's calibration windows.
     The pick is the row `pick` (`report.CRITERIA`; default: the validation choice, guarded by the best paper row)
     chooses among those the allowed moves make (under a speedup budget, among those that reach it in the table's
@@ -134,8 +137,9 @@ def plan(
             plan without `resume` or `force`.
     """
     check_criterion(pick)
-    if validation_samples < 0 or validation_items < 0:
-        raise LayerdropError("--validation-samples and --validation-items count windows and items: give 0 or more")
+    if min(validation_samples, validation_items, task_items) < 0:
+        raise LayerdropError("--validation-samples, --validation-items and --task-items count windows and items: "
+                             "give 0 or more")
     guard_memory("plan", [model_path], memory_limit, copies=2, extra=PREFIX_BYTES, quantizes=quantize is not None,
                  tokens=max(options.batch_size * seq_len,
                             speedup_tokens or (SPEEDUP_TOKENS if budget.startswith("speedup") else seq_len)))
@@ -151,7 +155,8 @@ def plan(
                             fit_previous=bool(fit_previous))
     fit_previous = "fit" in allowed if fit_previous is None else fit_previous
     texts = Texts(calib, eval_text, search_text, tuple(also_eval or ()), samples, search_samples, eval_samples,
-                  fit_samples, seq_len, sampling, accuracy_items, self_samples, validation_samples, validation_items)
+                  fit_samples, seq_len, sampling, accuracy_items, self_samples, validation_samples, validation_items,
+                  task_items)
     started = time.perf_counter()
     notes: list[str] = []  # for the user; those of rows left out also go into the report's `skipped`
     windows = plan_windows(folder.path, texts, notes)
@@ -210,7 +215,7 @@ def plan(
         "--fit-samples": _unless(fit_samples, 64), "--seq-len": _unless(seq_len, DEFAULT_SEQ_LEN),
         "--extra": _unless(extra, 4), "--self-samples": _unless(self_samples, 0),
         "--validation-samples": _unless(validation_samples, VALIDATION_SAMPLES),
-        "--validation-items": _unless(validation_items, VALIDATION_ITEMS),
+        "--validation-items": _unless(validation_items, VALIDATION_ITEMS), "--task-items": _unless(task_items, 0),
         "--accuracy-items": _unless(accuracy_items, ACCURACY_ITEMS), "--speedup-tokens": speedup_tokens,
         "--speedup-runs": _unless(speedup_runs, SPEEDUP_RUNS), "--seed": _unless(sampling.seed, 0),
         "--from-start": sampling.from_start, "--text-field": _unless(sampling.text_field, "text"),
@@ -326,7 +331,7 @@ def _measured(inputs: Inputs, windows: PlanWindows, candidates: list[Candidate],
     timed = meter if meter is not None and runs > 0 else None
     validation_items = windows.validation.items if windows.validation is not None else 0
     measured_on = ({key: window_ids(w) for key, w in sets.items()}, held_out.items, validation_items, layers,
-                   inputs.options, runs, tokens, prefix.entries)
+                   inputs.options, runs, tokens, prefix.entries, held_out.tasks)
 
     def baseline() -> tuple[PlanRow, dict]:
         return measure.row(Candidate("baseline"), session=base_session, timed=False), prefix.states
@@ -363,7 +368,7 @@ def _measured(inputs: Inputs, windows: PlanWindows, candidates: list[Candidate],
         fit_previous=any(m.previous for c in candidates for m in (c.fits or {}).values()),
         skipped=skipped, criterion=criterion, picks=picks,
         validation_texts={kind: w.source for kind, w in windows.validation.kinds.items()}
-        if windows.validation is not None else {}, validation_items=validation_items,
+        if windows.validation is not None else {}, validation_items=validation_items, task_items=held_out.tasks,
         **(meter.record() if meter is not None else {}))
 
 

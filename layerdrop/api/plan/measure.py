@@ -125,7 +125,7 @@ class Measure:
             row.validation_ppl = {kind: ppl[f"val{i}"] for i, kind in enumerate(self.validation.kinds)}
         timed = timed and self.meter is not None and self.runs > 0
         items = self.validation.items if self.validation is not None else 0
-        if session is None and (self.held_out.items is not None or items):
+        if session is None and (self.held_out.items is not None or items or self.held_out.tasks):
             session = self.options.session(rewritten, folder=self.folder)
         if self.held_out.items is not None:
             scores = self.accuracy(rewritten, session)
@@ -133,6 +133,8 @@ class Measure:
         if items:
             correct = self.validation_tasks(rewritten, session, items)
             row.validation_accuracy, row.validation_correct = float(np.mean(correct)), correct
+        if self.held_out.tasks:
+            row.tasks_correct, row.tasks_chance = self.standard_tasks(rewritten, session)
         if timed:
             row.speedup, row.speedup_runs, row.structure = self.meter.timed(rewritten, self.runs, session)
         return row
@@ -179,6 +181,16 @@ class Measure:
         outcomes = run_standard_tasks(self.lm(rewritten, session), list(VALIDATION_TASKS), limit=items,
                                       tasks=VALIDATION_TASKS)
         return [int(c) for name in VALIDATION_TASKS for c in outcomes[name].correct]
+
+    def standard_tasks(self, rewritten: ir.Model, session) -> tuple[dict[str, list[float]], dict[str, float]]:
+        """Each of the papers' tasks' items (the first `held_out.tasks` of each reported split) as the row did on
+        them (the value of the task's metric) and each task's mean chance level, through lm-eval's own task
+        definitions and the `layerdrop` lm-eval model on the row's own session."""
+        from layerdrop.runtime.standard_tasks import PAPERS, run_standard_tasks
+
+        outcomes = run_standard_tasks(self.lm(rewritten, session), PAPERS, limit=self.held_out.tasks)
+        return ({name: [float(c) for c in o.correct] for name, o in outcomes.items()},
+                {name: float(o.chance.mean()) for name, o in outcomes.items()})
 
     def lm(self, rewritten: ir.Model, session):
         """The `layerdrop` lm-eval model of the rewritten graph on the row's own session."""

@@ -12,6 +12,7 @@ _MEASURED = ("method", "paper", "alphas", "fits", "shift", "ridges", "blocks", "
              "moves", "kv_kept", "search_ppl", "eval_ppl")
 _VALIDATION = ("validation_ppl", "validation_accuracy", "validation_correct")
 _ACCURACY = ("accuracy", "accuracy_correct")
+_TASKS = ("tasks_correct", "tasks_chance")
 _AGAINST_BASELINE = ("accuracy_retained", "accuracy_difference", "accuracy_difference_se")
 _TIMED = ("speedup", "speedup_runs", "structure")
 
@@ -41,6 +42,8 @@ class PlanRow:
     validation_ppl: dict[str, float] | None = None  # validation kind -> perplexity
     validation_accuracy: float | None = None  # on the validation task items
     validation_correct: list[int] | None = None
+    tasks_correct: dict[str, list[float]] | None = None  # papers' task -> each item's value of its metric
+    tasks_chance: dict[str, float] | None = None  # papers' task -> its items' mean chance level
     accuracy: float | None = None
     accuracy_correct: list[int] | None = None
     accuracy_retained: float | None = None
@@ -56,7 +59,7 @@ class PlanRow:
         row = {name: getattr(self, name) for name in _MEASURED}
         if self.also_eval_ppl is not None:
             row["also_eval_ppl"] = self.also_eval_ppl
-        row |= {name: getattr(self, name) for name in _VALIDATION if getattr(self, name) is not None}
+        row |= {name: getattr(self, name) for name in (*_VALIDATION, *_TASKS) if getattr(self, name) is not None}
         if self.accuracy is not None:
             row |= {name: getattr(self, name) for name in _ACCURACY}
         if self.compared:
@@ -106,6 +109,7 @@ class PlanResult:
     picks: dict = field(default_factory=dict)  # criterion -> the method it picks among the same rows
     validation_texts: dict = field(default_factory=dict)  # validation kind -> its windows' source
     validation_items: int = 0  # items of each validation task
+    task_items: int = 0  # held-out items of each of the papers' tasks
     timings: dict = field(default_factory=dict)  # structure -> {"base_ms", "ms"}: every timed run, in order
     sizing: list[dict] = field(default_factory=list)  # the structures a speedup budget's sizing measured
     planner_log: list[dict] = field(default_factory=list)
@@ -121,14 +125,16 @@ class PlanResult:
         return {"budget": self.budget, "attention_layers": self.attention_layers, "block_count": self.block_count,
                 "kv_fraction_kept": self.kv_fraction_kept, "moves": self.moves,
                 "baseline": {key: baseline[key] for key in ("search_ppl", "eval_ppl", "also_eval_ppl", "accuracy",
-                                                            "accuracy_correct", *_VALIDATION) if key in baseline},
+                                                            "accuracy_correct", *_VALIDATION, *_TASKS)
+                             if key in baseline},
                 "speedup_tokens": self.speedup_tokens, "methods": [row.to_dict() for row in self.rows],
                 "pick": self.pick.to_dict(), "search_seconds": self.search_seconds, "search_text": self.search_text,
                 "eval_text": self.eval_text, "also_eval_texts": self.also_eval_texts,
                 "accuracy_items": self.accuracy_items, "accuracy_task": self.accuracy_task,
                 "fit_text": self.fit_text, "fit_previous": self.fit_previous, "skipped": self.skipped,
                 "criterion": self.criterion, "picks": self.picks, "validation_texts": self.validation_texts,
-                "validation_items": self.validation_items, "timings": self.timings, "sizing": self.sizing}
+                "validation_items": self.validation_items, "task_items": self.task_items, "timings": self.timings,
+                "sizing": self.sizing}
 
     def to_dict(self) -> dict:
         """plan.json: `record()`, what was removed, how to run and reproduce it, and the search's log."""

