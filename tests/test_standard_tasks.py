@@ -436,3 +436,47 @@ def test_plan_task_items_below_zero_is_one_line_and_writes_nothing(exported, tmp
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "--task-items" in err, err
     assert not (tmp_path / "plan").exists()
+
+
+def test_pipeline_task_items_reports_the_papers_tasks_of_base_and_output_as_lm_eval_hf_and_torch_score_them(
+        exported, hf_folder, tmp_path, capsys):
+    """`pipeline --task-items 2`: the base's and the output's outcomes on the first two items of each of the papers'
+    tasks are lm-eval `hf`'s (the output's: PyTorch with the attention layers the output lacks replaced by zero
+    branches), and report.md holds the table with their average."""
+    from layerdrop.cli import main
+    from layerdrop.runtime.standard_tasks import PAPERS, STANDARD_TASKS
+    from tests.torch_reference import replaced
+
+    folder = exported("llama", True)
+    out = tmp_path / "run"
+    code = main(["pipeline", str(folder), "-o", str(out), "--samples", "4", "--seq-len", "32", "--eval-samples", "2",
+                 "--seq", "16", "--runs", "1", "--no-builder", "--task-items", "2", "--no-progress"])
+    assert code == 0, capsys.readouterr().err
+    report = json.loads((out / "report.json").read_text())
+    rows = {row["task"]: row for row in report["tasks"]["tasks"]}
+    assert list(rows) == PAPERS and all(row["items"] == 2 for row in rows.values())
+
+    def scores(model) -> dict[str, float]:
+        found = _reference(_hf_model(model, folder), tmp_path)["samples"]
+        return {name: 100 * np.mean([float(s[STANDARD_TASKS[name].metric]) for s in _by_doc(found[name])][:2])
+                for name in PAPERS}
+
+    torch_model = _hf_reference(hf_folder)
+    base = scores(torch_model)
+    output = scores(replaced(torch_model, [("attn", layer) for layer in report["removed_by_kind"]["attn"]]))
+    for name in PAPERS:
+        assert rows[name]["scores"] == pytest.approx([base[name], output[name]]), name
+    average = np.mean(list(output.values()))
+    assert report["tasks"]["average"]["scores"][1] == pytest.approx(average)
+    markdown = (out / "report.md").read_text()
+    assert f"| **average** | {np.mean(list(base.values())):.1f} | {average:.1f} |" in markdown
+
+
+def test_pipeline_task_items_below_zero_is_one_line_and_writes_nothing(exported, tmp_path, capsys):
+    from layerdrop.cli import main
+
+    capsys.readouterr()
+    code = main(["pipeline", str(exported("llama", True)), "-o", str(tmp_path / "run"), "--task-items", "-2"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "--task-items" in err, err
+    assert not (tmp_path / "run").exists()

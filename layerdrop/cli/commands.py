@@ -215,7 +215,8 @@ def cmd_pipeline(args) -> int:
                           eval_samples=args.eval_samples, bench_seq=args.seq, bench_runs=args.runs,
                           sampling=sampling(args), options=_options(args, args.batch_size), resume=args.resume,
                           force=args.force, progress=_progress(args), fuse=args.fuse, builder=args.builder,
-                          quantize=args.quantize, memory_limit=args.memory_limit)
+                          quantize=args.quantize, memory_limit=args.memory_limit,
+                          task_items=args.task_items)
     for note in report["notes"]:
         print(f"layerdrop: note: {note}", file=sys.stderr)
     print(pipeline_summary(report))

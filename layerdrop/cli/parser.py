@@ -220,6 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no bench column for onnxruntime-genai's model builder graph (default: one when "
                    "onnxruntime-genai is installed and the model has a Hugging Face folder)")
     _quantize_option(p)
+    p.add_argument("--task-items", type=int, default=0, metavar="N",
+                   help="also the papers' standard tasks (arc_easy, arc_challenge, hellaswag, piqa, winogrande, boolq, "
+                   "openbookqa, lambada_openai; offline, from the task data), the first N items of each, base against "
+                   "the output (default 0: none; 100 take about 15 minutes on SmolLM2)")
     p.add_argument("--batch-size", type=parse_count, default=1, help="windows per ONNX Runtime run")
     _sampling_options(p)
     _memory_option(p)

