@@ -108,7 +108,7 @@ COMMANDS = {
     "score": (["-o", "{out}", *FAST], 1, 1, 1, 0, True),
     "drop": (["--attn", "1", "--iterative", "-o", "{out}", *FAST], 1, 1, 1, 0, True),
     "harp": (["--top", "1", "--search", "-o", "{out}", *FAST], 1, 1, 1, 0, True),
-    "eval": (["--vs", "{model}", *FAST], 1, 1, 1, 0, False),
+    "eval": (["--vs", "{model}", *FAST], 1, 1, 2, 0, False),  # the fidelity runs both models at once
     "bench": (["{model}", "--seq", str(TOKENS), "--runs", "1", "--decode", "2"], 1, 1, 2, 0, False),
     "quantize": (["--block-size", "16", "-o", "{out}"], 0, memory.QUANTIZE_COPIES, 1, 0, True),
     "fuse": (["-o", "{out}"], 0, 0, 1, 0, True),

@@ -28,6 +28,35 @@ def _torch_perplexity(model, windows: np.ndarray) -> float:
     return float(np.exp(total / count))
 
 
+def _torch_fidelity(base, other, windows: np.ndarray) -> tuple[float, float]:
+    """Mean KL(base || other) over every position of the windows, from PyTorch's logits in float64, and the share
+    of positions whose arg-max agrees."""
+    from scipy.special import log_softmax
+
+    from tests.torch_reference import logits
+
+    first, second = logits(base, windows).astype(np.float64), logits(other, windows).astype(np.float64)
+    p, q = log_softmax(first, axis=-1), log_softmax(second, axis=-1)
+    return float((np.exp(p) * (p - q)).sum(-1).mean()), float(np.mean(first.argmax(-1) == second.argmax(-1)))
+
+
+def test_eval_vs_reports_the_fidelity_pytorch_computes_on_the_held_out_windows(exported, tmp_path, capsys):
+    from tests.torch_reference import replaced
+
+    base, pruned = exported("llama", True), tmp_path / "pruned"
+    api.drop(base, pruned, targets=[("attn", 1)])
+    capsys.readouterr()
+    assert main(["eval", str(base), "--vs", str(pruned), "--samples", "3", "--seq-len", "32", "--no-progress",
+                 "--json", str(tmp_path / "eval.json")]) == 0
+    assert "KL(base || other)" in capsys.readouterr().out
+    found = json.loads((tmp_path / "eval.json").read_text())["fidelity"]
+    windows = api.windows_for(base, None, role="eval", samples=3, seq_len=32)
+    assert found["text"]["starts"] == windows.source["starts"] and found["tokens"] == 3 * 32
+    kl, top1 = _torch_fidelity(tiny_model("llama"), replaced(tiny_model("llama"), [("attn", 1)]), windows.ids)
+    assert found["kl"] == pytest.approx(kl, rel=1e-3) and kl > 0
+    assert found["top1_agreement"] == pytest.approx(top1)
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3"])
 def test_eval_perplexity_equals_torch(exported, family):
     folder = exported(family, True)
@@ -97,6 +126,15 @@ def test_pipeline_end_to_end_on_a_tiny_model_and_resume(hf_folder, tmp_path, cap
     assert "the bench has no builder column" in err or not builder_available()  # head size 8: GQA refuses it
     notes = json.loads((out / "report.json").read_text())["notes"]  # the API returns the note the CLI printed
     assert [n for n in notes if "the bench has no builder column" in n] == ([notes[0]] if builder_available() else [])
+    report = json.loads((out / "report.json").read_text())
+    from tests.torch_reference import replaced
+
+    windows = api.windows_for(out / "bench-base", None, role="eval", samples=2, seq_len=32)
+    assert report["fidelity"]["text"]["starts"] == windows.source["starts"]
+    removed = [("attn", layer) for layer in report["removed_by_kind"]["attn"]]
+    kl, top1 = _torch_fidelity(tiny_model("qwen2"), replaced(tiny_model("qwen2"), removed), windows.ids)
+    assert report["fidelity"]["kl"] == pytest.approx(kl, rel=1e-3) and report["fidelity"]["top1_agreement"] == top1
+    assert "KL(base ‖ attn-1)" in (out / "report.md").read_text()
 
 
 def test_pipeline_writes_its_output_fused_and_benches_it_against_the_fused_base(hf_folder, tmp_path, rng):

@@ -24,7 +24,7 @@ from layerdrop.api.common import (
     write_json,
 )
 from layerdrop.api.drop import drop
-from layerdrop.api.evaluate import evaluate, standard_tasks
+from layerdrop.api.evaluate import evaluate, fidelity, standard_tasks
 from layerdrop.api.harp import harp
 from layerdrop.api.inspect import inspect
 from layerdrop.api.reports import pipeline_summary, removed_by_kind, reproduce_command, run_snippet
@@ -94,7 +94,8 @@ def pipeline(
     """Run the whole pipeline; returns the report (also written to OUTDIR/report.json, and as `pipeline_summary`
     to OUTDIR/report.md): the side-by-side figures, the layers removed (read back from the output model), the texts
     the figures come from, a snippet that runs the output, the command that reproduces the run, and `notes` for the
-    user (e.g. why the bench has no builder column).
+    user (e.g. why the bench has no builder column), and the output's fidelity to the base (KL divergence of its
+    next-token distribution, top-1 agreement) on the held-out windows.
 
     With no selection, drops about a quarter of the attention layers by score. With `fuse` (the default) the
     rewritten model is written fused for ONNX Runtime, and the bench's base is the export fused the same way
@@ -179,6 +180,8 @@ def pipeline(
     quality = [evaluate(folder, text=eval_text, samples=eval_samples, seq_len=seq_len, sampling=sampling,
                         options=options, progress=progress, memory_limit=memory_limit)
                for folder in (bench_base, pruned)]
+    closeness = fidelity(bench_base, pruned, text=eval_text, samples=eval_samples, seq_len=seq_len, sampling=sampling,
+                         options=options, progress=progress, memory_limit=memory_limit)
     tasks = None
     if task_items:
         print(f"[tasks] the papers' standard tasks, {task_items} items each ...", file=sys.stderr)
@@ -206,7 +209,7 @@ def pipeline(
               "removed": removed, "removed_by_kind": removed_by_kind(removed),
               "texts": {"calibration": scored_calibration, "eval": quality[0]["text"]},
               "run": {"runtime": runtime, "folder": str(pruned), "python": snippet}, "reproduce": command,
-              "notes": notes, "tasks": tasks}
+              "notes": notes, "tasks": tasks, "fidelity": closeness}
     write_json(report, out_dir / "report.json")
     write_atomically(out_dir / "report.md", pipeline_summary(report) + "\n")
     return report

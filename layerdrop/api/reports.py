@@ -119,15 +119,20 @@ def reproduce_command(command: str, positional: list, options: dict) -> str:
     return shlex.join(words)
 
 
-def side_by_side(bench: dict, method: str, quality: list[dict] | None = None, reference: str = "reference") -> str:
-    """The closing table (markdown) of `pipeline` and `bench`: base vs rewritten model, with ratios; where the
-    bench timed a reference graph too (`bench["reference"]`), its column and the rewritten model's ratio to it."""
+def side_by_side(bench: dict, method: str, quality: list[dict] | None = None, reference: str = "reference",
+                 fidelity: dict | None = None) -> str:
+    """The closing table (markdown) of `pipeline` and `bench`: base vs rewritten model, with ratios, and the
+    rewritten model's `fidelity` to the base where given (`api.evaluate.fidelity`); where the bench timed a
+    reference graph too (`bench["reference"]`), its column and the rewritten model's ratio to it."""
     has_ref = "reference" in bench
     rows = []
     if quality:
         base_q, pruned_q = quality
         rows.append(("perplexity", f"{base_q['perplexity']:.2f}", "-", f"{pruned_q['perplexity']:.2f}",
                      f"{pruned_q['perplexity'] / base_q['perplexity']:.2f}x", "-"))
+    if fidelity:
+        rows.append((f"KL(base ‖ {method}), nats/token ({fidelity['tokens']} held-out tokens)", "0", "-",
+                     f"{fidelity['kl']:.4f}", f"top-1 agreement {100 * fidelity['top1_agreement']:.1f}%", "-"))
     for entry in bench["prefill"]:
         ref = entry.get("reference", {}).get("median_ms")
         rows.append((f"prefill {entry['seq']} tokens (median ms)", f"{entry['base']['median_ms']:.0f}",
@@ -291,7 +296,8 @@ def pipeline_summary(report: dict) -> str:
     """The pipeline's report as Markdown (its report.md, and what the command prints): the side-by-side table, the
     layers removed, the texts the figures come from, how to run the output, and the command that reproduces it."""
     texts = report["texts"]
-    lines = [side_by_side(report["bench"], report["method"], report["quality"], reference=report["reference_label"]),
+    lines = [side_by_side(report["bench"], report["method"], report["quality"], reference=report["reference_label"],
+                          fidelity=report.get("fidelity")),
              "", f"Removed from {report['pruned']} (read from its metadata):"]
     lines += [f"- {line}" for line in removed_lines(report["removed"])]
     if report.get("tasks"):

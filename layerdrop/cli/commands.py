@@ -7,7 +7,7 @@ import sys
 from layerdrop import api, model_folder
 from layerdrop.cli.options import parse_modules
 from layerdrop.cli.parser import sampling
-from layerdrop.cli.tables import harness_table, print_fusions, print_scores, removal_text
+from layerdrop.cli.tables import fidelity_line, harness_table, print_fusions, print_scores, removal_text
 from layerdrop.errors import LayerdropError, OverBudget
 
 
@@ -106,6 +106,8 @@ def cmd_eval(args) -> int:
         api.guard_memory("eval", [folder], args.memory_limit, tokens=tokens)
     if args.tasks:
         return _eval_tasks(args)
+    if args.vs:  # the fidelity runs both models side by side
+        api.guard_memory("eval", folders, args.memory_limit, tokens=tokens)
     results = [api.evaluate(f, text=args.text, samples=args.samples, seq_len=args.seq_len, sampling=sampling(args),
                             options=_options(args, args.batch or 1), progress=_progress(args),
                             memory_limit=args.memory_limit)
@@ -114,9 +116,15 @@ def cmd_eval(args) -> int:
         bos = ", each window after a BOS" if result["text"].get("bos") else ""
         print(f"{str(folder):<40} perplexity {result['perplexity']:9.3f}   ({result['tokens']} predicted tokens "
               f"of {result['text']['file']}{bos})")
+    report = {"models": [{"path": str(f), **r} for f, r in zip(folders, results)]}
     if len(results) == 2:
         print(f"ratio {results[1]['perplexity'] / results[0]['perplexity']:.3f}")
-    report = {"models": [{"path": str(f), **r} for f, r in zip(folders, results)]}
+        from layerdrop.api.evaluate import fidelity
+
+        report["fidelity"] = fidelity(args.model, args.vs, text=args.text, samples=args.samples,
+                                      seq_len=args.seq_len, sampling=sampling(args), options=_options(args),
+                                      progress=_progress(args), memory_limit=args.memory_limit)
+        print(fidelity_line(report["fidelity"]))
     if args.prompt:
         report["generations"] = []
         for folder in folders:

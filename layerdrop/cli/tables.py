@@ -91,11 +91,14 @@ def standard_tasks_table(report: dict) -> str:
     lines.append("scores in %; metric: acc_norm for ARC, HellaSwag, OpenBookQA, PIQA, acc otherwise; the average "
                  "is the mean over tasks")
     if "fidelity" in report:
-        found = report["fidelity"]
-        lines.append(f"fidelity on {found['tokens']} held-out tokens of {found['text'].get('file', 'the eval text')}:"
-                     f" KL(base || other) {found['kl']:.4f} nats/token, top-1 agreement "
-                     f"{100 * found['top1_agreement']:.1f}%")
+        lines.append(fidelity_line(report["fidelity"]))
     return "\n".join(lines)
+
+
+def fidelity_line(found: dict) -> str:
+    """'fidelity on N held-out tokens of FILE: KL(base || other) ... nats/token, top-1 agreement ...%'."""
+    return (f"fidelity on {found['tokens']} held-out tokens of {found['text'].get('file', 'the eval text')}: "
+            f"KL(base || other) {found['kl']:.4f} nats/token, top-1 agreement {100 * found['top1_agreement']:.1f}%")
 
 
 def _percent(value: float | None) -> str:
