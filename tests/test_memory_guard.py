@@ -126,12 +126,12 @@ def _argv(command: str, model, out) -> list[str]:
 
 def _estimate(command: str, model) -> int:
     """Weights times copies, plus each session's activations: ACTIVATION_COPIES float32 copies of a run's logits."""
-    from layerdrop.api.plan.measure import PREFIX_BYTES
+    from layerdrop.api.plan.measure import FIDELITY_BYTES, PREFIX_BYTES
 
     _, sessions, copies, held, extra, _ = COMMANDS[command]
     activations = held * sessions * int(memory.ACTIVATION_COPIES * TOKENS * VOCAB * 4)
     return (memory.session_peak(held * _weight_bytes(model), copies) + activations
-            + (PREFIX_BYTES if extra == "prefix" else 0))
+            + (PREFIX_BYTES + FIDELITY_BYTES if extra == "prefix" else 0))
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))

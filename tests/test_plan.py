@@ -59,6 +59,42 @@ def test_every_method_is_compared_and_the_pick_is_measured_like_torch(planned, e
             "score-selected bypass, searched alphas"} <= names
 
 
+def test_every_rows_fidelity_to_the_baseline_is_pytorchs_on_the_first_held_out_windows(planned, exported):
+    """Each row's KL(baseline || row) and top-1 agreement on the fidelity windows (the held-out windows the
+    baseline's log-probabilities fit in) are PyTorch's for the same moves; the table shows them."""
+    from scipy.special import log_softmax
+
+    from layerdrop.api.reports import plan_table
+
+    _, result = planned
+    folder = exported("llama", True)
+    means = api.windows_for(folder, None, role="calib", samples=4, seq_len=32)
+    held_out = api.windows_for(folder, None, role="eval", samples=2, seq_len=32,
+                               calibration_sha256=means.source["sha256"])
+    assert result["fidelity_text"]["starts"] == held_out.source["starts"] and result["fidelity_text"]["tokens"] == 64
+    base = log_softmax(logits(tiny_model("llama"), held_out.ids).astype(np.float64), axis=-1)
+    for row in result["methods"]:
+        alphas = {int(k): v for k, v in row["alphas"].items()}
+        other = log_softmax(logits(planned_reference(tiny_model("llama"), alphas, means if row["shift"] else None),
+                                   held_out.ids).astype(np.float64), axis=-1)
+        kl = (np.exp(base) * (base - other)).sum(-1).mean()
+        assert row["kl"] == pytest.approx(kl, rel=1e-3, abs=1e-7), row["method"]
+        assert row["top1_agreement"] == pytest.approx(np.mean(base.argmax(-1) == other.argmax(-1))), row["method"]
+    assert "KL from the baseline" in plan_table(result) and f"{result['pick']['kl']:.4f}" in plan_table(result)
+
+
+def test_the_fidelity_windows_hold_what_the_reference_bytes_allow():
+    from layerdrop.api.plan.measure import FIDELITY_BYTES, fidelity_windows
+    from layerdrop.windows import Windows
+
+    held = Windows(np.arange(32 * 256).reshape(32, 256), {"starts": list(range(32)), "samples": 32, "seq_len": 256})
+    small = fidelity_windows(held, 49152)  # SmolLM2's vocabulary: whole windows
+    assert small.ids.shape == (FIDELITY_BYTES // (4 * 49152 * 256), 256) and small.source["starts"] == [0, 1, 2, 3, 4]
+    large = fidelity_windows(held, 2 * FIDELITY_BYTES // 1024)  # a vocabulary where 256 tokens do not fit
+    assert large.ids.shape == (1, 128) and large.source["seq_len"] == 128
+    np.testing.assert_array_equal(large.ids, held.ids[:1, :128])
+
+
 def test_rows_run_from_the_baselines_kept_states_like_torch(exported):
     """A measured row runs from the baseline's hidden state at its lowest changed layer, kept from the baseline's
     own runs on every window set; its perplexities are still PyTorch's for the same moves."""

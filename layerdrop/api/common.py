@@ -44,7 +44,7 @@ def guard_memory(command: str, folders: Sequence[Path | str], memory_limit: int 
         model = model_folder.load(path)[1]
         for kind, size in memory.onnx_weight_bytes(model).items():
             weights[kind] = weights.get(kind, 0) + size
-        extra += copies * memory.activation_peak(tokens, _vocabulary(model, path))
+        extra += copies * memory.activation_peak(tokens, vocabulary(model, path))
     limit = memory.memory_limit(memory_limit)
     copies = max(copies, memory.QUANTIZE_COPIES) if quantizes else copies
     total = sum(weights.values())
@@ -83,7 +83,7 @@ def task_items_available(items: int) -> int:
     return items
 
 
-def _vocabulary(model: ir.Model, path: Path | str) -> int:
+def vocabulary(model: ir.Model, path: Path | str) -> int:
     """The logits' last dimension (the graph's, else config.json's vocab_size; 0 where neither states it)."""
     for output in model.graph.outputs:
         if output.name == "logits" and output.shape is not None and isinstance(output.shape[-1], int):

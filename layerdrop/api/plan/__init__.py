@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
 from layerdrop import model_folder
@@ -23,6 +24,7 @@ from layerdrop.api.common import (
     open_model,
     quantize_pass,
     save_model,
+    vocabulary,
 )
 from layerdrop.api.plan.budget import MOVES, RowCounts, allowed_moves, grid_of, parse_moves, row_counts
 from layerdrop.api.plan.candidates import (
@@ -36,7 +38,7 @@ from layerdrop.api.plan.candidates import (
     mixed_sizes,
     paper_candidates,
 )
-from layerdrop.api.plan.measure import PREFIX_BYTES, Measure, choose_prefix
+from layerdrop.api.plan.measure import FIDELITY_BYTES, PREFIX_BYTES, Measure, choose_prefix, fidelity_windows
 from layerdrop.api.plan.report import CRITERIA, DEFAULT_CRITERION, PlanResult, PlanRow, check_criterion, choose_pick
 from layerdrop.api.plan.resume import Checkpoints, folder_fingerprint, keeps_work, plan_work_area, window_ids
 from layerdrop.api.plan.texts import PlanWindows, Texts, fit_windows, plan_windows, with_model_text
@@ -140,8 +142,8 @@ def plan(
     if min(validation_samples, validation_items, task_items) < 0:
         raise LayerdropError("--validation-samples, --validation-items and --task-items count windows and items: "
                              "give 0 or more")
-    guard_memory("plan", [model_path], memory_limit, copies=2, extra=PREFIX_BYTES, quantizes=quantize is not None,
-                 tokens=max(options.batch_size * seq_len,
+    guard_memory("plan", [model_path], memory_limit, copies=2, extra=PREFIX_BYTES + FIDELITY_BYTES,
+                 quantizes=quantize is not None, tokens=max(options.batch_size * seq_len,
                             speedup_tokens or (SPEEDUP_TOKENS if budget.startswith("speedup") else seq_len)))
     folder, model = open_model(model_path)
     model_folder.reserve_output(Path(out_dir), inputs=[folder.path], force=force)
@@ -321,7 +323,8 @@ def _measured(inputs: Inputs, windows: PlanWindows, candidates: list[Candidate],
     tokens, runs = speed
     model, held_out, search = inputs.model, windows.held_out, windows.search
     measure = Measure(model, inputs.folder, search, held_out, layers, inputs.options, meter, runs,
-                      validation=windows.validation)
+                      validation=windows.validation,
+                      fidelity=fidelity_windows(held_out.main, vocabulary(model, inputs.folder)))
     sets = measure.sets()
     measure.prefix = choose_prefix(model, candidates, sum(len(w.ids) for w in sets.values()), search.ids.shape[1])
     prefix = measure.prefix
@@ -333,15 +336,17 @@ def _measured(inputs: Inputs, windows: PlanWindows, candidates: list[Candidate],
     measured_on = ({key: window_ids(w) for key, w in sets.items()}, held_out.items, validation_items, layers,
                    inputs.options, runs, tokens, prefix.entries, held_out.tasks)
 
-    def baseline() -> tuple[PlanRow, dict]:
-        return measure.row(Candidate("baseline"), session=base_session, timed=False), prefix.states
+    def baseline() -> tuple[PlanRow, dict, np.ndarray]:
+        row = measure.row(Candidate("baseline"), session=base_session, timed=False)
+        return row, prefix.states, measure.reference
 
-    base, prefix.states = saved.cached("baseline", measured_on, baseline)
+    base, prefix.states, measure.reference = saved.cached("baseline", (*measured_on, "fidelity"), baseline)
     bar.set_postfix(baseline=f"{base.eval_ppl:.2f}")
     bar.update()
     table: list[PlanRow] = []
     for candidate in candidates:
-        table.append(saved.cached("row", (measured_on, candidate), lambda c=candidate: measure.row(c), meter=timed))
+        table.append(saved.cached("row", (measured_on, candidate, "fidelity"), lambda c=candidate: measure.row(c),
+                                  meter=timed))
         best = min(table, key=lambda row: row.eval_ppl)
         bar.set_postfix(baseline=f"{base.eval_ppl:.2f}", best_held_out=f"{best.eval_ppl:.2f}")
         bar.update()
@@ -369,6 +374,7 @@ def _measured(inputs: Inputs, windows: PlanWindows, candidates: list[Candidate],
         skipped=skipped, criterion=criterion, picks=picks,
         validation_texts={kind: w.source for kind, w in windows.validation.kinds.items()}
         if windows.validation is not None else {}, validation_items=validation_items, task_items=held_out.tasks,
+        fidelity_text={**measure.fidelity.source, "tokens": int(measure.fidelity.ids.size)},
         **(meter.record() if meter is not None else {}))
 
 

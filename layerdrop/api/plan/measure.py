@@ -28,6 +28,17 @@ from layerdrop.search.selection import PrefillMeter
 from layerdrop.windows import Windows
 
 PREFIX_BYTES = 512 * 2**20  # the baseline's hidden states kept for the measured rows' suffixes, at most
+FIDELITY_BYTES = 256 * 2**20  # the baseline's next-token log-probabilities kept to measure the rows' fidelity, at most
+
+
+def fidelity_windows(held: Windows, vocabulary: int) -> Windows:
+    """The held-out windows the rows' fidelity is measured on: as many of the first whole windows as
+    `FIDELITY_BYTES` of the baseline's float32 log-probabilities hold, else the first window's first tokens."""
+    tokens = max(2, FIDELITY_BYTES // (4 * max(vocabulary, 1)))
+    count, length = held.ids.shape
+    kept, length = (min(count, tokens // length), length) if tokens >= length else (1, tokens)
+    source = {**held.source, "starts": held.source.get("starts", [])[:kept], "samples": kept, "seq_len": length}
+    return Windows(held.ids[:kept, :length], source, held.bos)
 
 
 @dataclass
@@ -88,6 +99,8 @@ class Measure:
     runs: int = 0
     prefix: Prefix | None = None
     validation: Validation | None = None
+    fidelity: Windows | None = None  # held-out windows the rows' fidelity to the baseline is measured on
+    reference: np.ndarray | None = None  # the baseline's next-token log-probabilities on them (its row sets it)
 
     def sets(self) -> dict[str, Windows]:
         """Every set of windows a row's perplexity is measured on, by key: search, eval, also0, ..., val0, ..."""
@@ -125,8 +138,11 @@ class Measure:
             row.validation_ppl = {kind: ppl[f"val{i}"] for i, kind in enumerate(self.validation.kinds)}
         timed = timed and self.meter is not None and self.runs > 0
         items = self.validation.items if self.validation is not None else 0
-        if session is None and (self.held_out.items is not None or items or self.held_out.tasks):
+        fidelity = self.fidelity is not None
+        if session is None and (self.held_out.items is not None or items or self.held_out.tasks or fidelity):
             session = self.options.session(rewritten, folder=self.folder)
+        if fidelity:
+            self.measure_fidelity(row, candidate, session)
         if self.held_out.items is not None:
             scores = self.accuracy(rewritten, session)
             row.accuracy, row.accuracy_correct = scores.accuracy, [int(c) for c in scores.correct]
@@ -181,6 +197,18 @@ class Measure:
         outcomes = run_standard_tasks(self.lm(rewritten, session), list(VALIDATION_TASKS), limit=items,
                                       tasks=VALIDATION_TASKS)
         return [int(c) for name in VALIDATION_TASKS for c in outcomes[name].correct]
+
+    def measure_fidelity(self, row: PlanRow, candidate: Candidate, session) -> None:
+        """The row's KL divergence from the baseline's next-token distribution and their top-1 agreement on the
+        fidelity windows; the baseline (a candidate without moves, measured first) keeps its log-probabilities as
+        the reference."""
+        from layerdrop.runtime.fidelity import fidelity_to, log_probs
+
+        batch = self.options.batch_size
+        if not candidate.moves and self.reference is None:
+            self.reference = log_probs(session, self.fidelity.ids, batch_size=batch)
+        found = fidelity_to(self.reference, session, self.fidelity.ids, batch_size=batch)
+        row.kl, row.top1_agreement = found.kl, found.top1
 
     def standard_tasks(self, rewritten: ir.Model, session) -> tuple[dict[str, list[float]], dict[str, float]]:
         """Each of the papers' tasks' items (the first `held_out.tasks` of each reported split) as the row did on

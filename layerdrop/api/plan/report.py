@@ -13,6 +13,7 @@ _MEASURED = ("method", "paper", "alphas", "fits", "shift", "ridges", "blocks", "
 _VALIDATION = ("validation_ppl", "validation_accuracy", "validation_correct")
 _ACCURACY = ("accuracy", "accuracy_correct")
 _TASKS = ("tasks_correct", "tasks_chance")
+_FIDELITY = ("kl", "top1_agreement")
 _AGAINST_BASELINE = ("accuracy_retained", "accuracy_difference", "accuracy_difference_se")
 _TIMED = ("speedup", "speedup_runs", "structure")
 
@@ -44,6 +45,8 @@ class PlanRow:
     validation_correct: list[int] | None = None
     tasks_correct: dict[str, list[float]] | None = None  # papers' task -> each item's value of its metric
     tasks_chance: dict[str, float] | None = None  # papers' task -> its items' mean chance level
+    kl: float | None = None  # KL(baseline || row) of the next-token distribution, nats per token, held-out
+    top1_agreement: float | None = None  # share of held-out positions whose most likely next token is the baseline's
     accuracy: float | None = None
     accuracy_correct: list[int] | None = None
     accuracy_retained: float | None = None
@@ -59,7 +62,8 @@ class PlanRow:
         row = {name: getattr(self, name) for name in _MEASURED}
         if self.also_eval_ppl is not None:
             row["also_eval_ppl"] = self.also_eval_ppl
-        row |= {name: getattr(self, name) for name in (*_VALIDATION, *_TASKS) if getattr(self, name) is not None}
+        row |= {name: getattr(self, name) for name in (*_VALIDATION, *_TASKS, *_FIDELITY)
+                if getattr(self, name) is not None}
         if self.accuracy is not None:
             row |= {name: getattr(self, name) for name in _ACCURACY}
         if self.compared:
@@ -110,6 +114,7 @@ class PlanResult:
     validation_texts: dict = field(default_factory=dict)  # validation kind -> its windows' source
     validation_items: int = 0  # items of each validation task
     task_items: int = 0  # held-out items of each of the papers' tasks
+    fidelity_text: dict | None = None  # the held-out windows the fidelity is measured on
     timings: dict = field(default_factory=dict)  # structure -> {"base_ms", "ms"}: every timed run, in order
     sizing: list[dict] = field(default_factory=list)  # the structures a speedup budget's sizing measured
     planner_log: list[dict] = field(default_factory=list)
@@ -133,8 +138,8 @@ class PlanResult:
                 "accuracy_items": self.accuracy_items, "accuracy_task": self.accuracy_task,
                 "fit_text": self.fit_text, "fit_previous": self.fit_previous, "skipped": self.skipped,
                 "criterion": self.criterion, "picks": self.picks, "validation_texts": self.validation_texts,
-                "validation_items": self.validation_items, "task_items": self.task_items, "timings": self.timings,
-                "sizing": self.sizing}
+                "validation_items": self.validation_items, "task_items": self.task_items,
+                "fidelity_text": self.fidelity_text, "timings": self.timings, "sizing": self.sizing}
 
     def to_dict(self) -> dict:
         """plan.json: `record()`, what was removed, how to run and reproduce it, and the search's log."""
