@@ -125,8 +125,9 @@ def test_default_model_builder_folder_score_drop_eval_harp_and_genai(smollm2_hf,
 
 def test_default_model_plan_honours_the_budget_and_matches_torch(smollm2_kv, torch_model, real_windows, tmp_path):
     """`layerdrop plan` end to end on the real model, at a small budget and tiny search settings."""
-    result = api.plan(smollm2_kv, tmp_path / "plan", budget="attn=2", accuracy_items=0, validation_items=0,
-                      pick="search", samples=4, search_samples=1, eval_samples=1, seq_len=64, extra=0,
+    texts = api.PlanTexts(accuracy_items=0, validation_items=0, samples=4, search_samples=1, eval_samples=1,
+                          seq_len=64)
+    result = api.plan(smollm2_kv, tmp_path / "plan", budget="attn=2", texts=texts, pick="search", extra=0,
                       progress=False).to_dict()
     assert result["attention_layers"] == 2 and len(result["pick"]["alphas"]) == 2
     assert len(api.inspect(tmp_path / "plan")["kv_layers"]) == 28

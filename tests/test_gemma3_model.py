@@ -91,9 +91,10 @@ def test_drop_and_harp_match_torch(gemma_kv, torch_model, bos_windows, tmp_path)
 
 
 def test_a_small_plan_honours_its_budget_and_matches_torch(gemma_kv, torch_model, bos_windows, tmp_path):
-    result = api.plan(gemma_kv, tmp_path / "plan", budget="attn=2", accuracy_items=0, validation_items=0, pick="search",
-                      samples=2, search_samples=1,
-                      eval_samples=1, seq_len=32, extra=0, progress=False).to_dict()
+    texts = api.PlanTexts(accuracy_items=0, validation_items=0, samples=2, search_samples=1, eval_samples=1,
+                          seq_len=32)
+    result = api.plan(gemma_kv, tmp_path / "plan", budget="attn=2", texts=texts, pick="search", extra=0,
+                      progress=False).to_dict()
     assert result["attention_layers"] == 2 and len(api.inspect(tmp_path / "plan")["kv_layers"]) == 16
     assert result["search_text"]["bos"] is True and result["eval_text"]["bos"] is True
     alphas = {int(k): v for k, v in result["pick"]["alphas"].items()}

@@ -292,9 +292,9 @@ def test_plan_accuracy_column_matches_lm_eval_hf_model(exported, hf_folder, tmp_
     from layerdrop.runtime.tasks import choice_scores
 
     folder = exported("llama", True)
-    result = api.plan(folder, tmp_path / "plan", budget="attn=1", samples=4, search_samples=2, eval_samples=2,
-                      seq_len=32, extra=1, moves="drop,bypass", accuracy_items=40, validation_items=0,
-                      also_eval=[Path("code")],
+    texts = api.PlanTexts(samples=4, search_samples=2, eval_samples=2, seq_len=32, accuracy_items=40,
+                          validation_items=0, also_eval=(Path("code"),))
+    result = api.plan(folder, tmp_path / "plan", budget="attn=1", texts=texts, extra=1, moves="drop,bypass",
                       progress=False).to_dict()
     items = result["accuracy_task"]
     assert result["accuracy_items"] == 40 and len(items) == 40

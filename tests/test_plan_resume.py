@@ -43,9 +43,9 @@ sys.exit(main(sys.argv[1:]))
 
 def _options(calib: str) -> dict:
     """The keyword arguments of `api.plan` that ARGS and `--calib calib` give on the command line."""
-    return dict(budget="attn=2", moves="drop,bypass", search_text="calib", calib=calib, samples=4,
-                search_samples=2, eval_samples=2, seq_len=32, extra=1, accuracy_items=0, validation_items=0,
-                speedup_runs=2,
+    texts = api.PlanTexts(search_text="calib", calib=calib, samples=4, search_samples=2, eval_samples=2, seq_len=32,
+                          accuracy_items=0, validation_items=0)
+    return dict(budget="attn=2", moves="drop,bypass", texts=texts, extra=1, speedup_runs=2,
                 options=api.RunOptions(threads=1), progress=False)
 
 

@@ -369,9 +369,10 @@ def test_plan_rows_validation_items_and_windows_match_lm_eval_hf_model_and_torch
     from tests.torch_reference import replaced
 
     folder = exported("llama", True)
-    result = api.plan(folder, tmp_path / "plan", budget="attn=1", samples=4, search_samples=2, eval_samples=2,
-                      seq_len=32, extra=1, moves="drop,bypass", accuracy_items=0, validation_samples=3,
-                      validation_items=5, progress=False).to_dict()
+    texts = api.PlanTexts(samples=4, search_samples=2, eval_samples=2, seq_len=32, accuracy_items=0,
+                          validation_samples=3, validation_items=5)
+    result = api.plan(folder, tmp_path / "plan", budget="attn=1", texts=texts, extra=1, moves="drop,bypass",
+                      progress=False).to_dict()
     assert result["validation_items"] == 5 and set(result["validation_texts"]) == {"calibration kind",
                                                                                    "model's own text"}
     torch_model = _hf_reference(hf_folder)

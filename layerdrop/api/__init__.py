@@ -24,11 +24,12 @@ from layerdrop.api.fuse import fuse
 from layerdrop.api.harp import harp
 from layerdrop.api.inspect import inspect, plot_scores
 from layerdrop.api.pipeline import pipeline
+from layerdrop.api.plan import Texts as PlanTexts
 from layerdrop.api.plan import plan
 from layerdrop.api.quantize import quantize
 from layerdrop.api.score import score
 from layerdrop.runtime.session import RunOptions
 
 __all__ = ["DEFAULT_SAMPLES", "DEFAULT_SEQ_LEN", "RunOptions", "bench", "check", "drop", "evaluate", "export", "fuse",
-           "generate_text", "guard_memory", "harness", "harp", "inspect", "open_model", "pipeline", "plan",
+           "generate_text", "guard_memory", "harness", "harp", "inspect", "open_model", "pipeline", "plan", "PlanTexts",
            "plot_scores", "quantize", "rewrite_passes", "score", "windows_for", "write_json"]

@@ -235,18 +235,17 @@ def cmd_pipeline(args) -> int:
 def cmd_plan(args) -> int:
     from layerdrop.api.reports import plan_summary
 
-    result = api.plan(args.model, args.output, budget=args.budget, calib=args.calib, eval_text=args.eval,
-                      search_text=args.search_text, samples=args.samples, search_samples=args.search_samples,
-                      eval_samples=args.eval_samples, fit_samples=args.fit_samples, seq_len=args.seq_len,
-                      sampling=sampling(args), extra=args.extra, moves=args.moves, shift=args.shift,
-                      per_layer_moves=args.per_layer_moves, self_samples=args.self_samples,
-                      fit_previous=args.fit_previous, pick=args.pick, validation_samples=args.validation_samples,
-                      validation_items=args.validation_items, task_items=args.task_items,
-                      force=args.force, progress=_progress(args),
-                      quantize=args.quantize, keep_float=args.keep_float, also_eval=args.also_eval,
-                      accuracy_items=args.accuracy_items, speedup_tokens=args.speedup_tokens,
-                      speedup_runs=args.speedup_runs, resume=args.resume, memory_limit=args.memory_limit,
-                      options=_options(args, args.batch_size))
+    texts = api.PlanTexts(
+        calib=args.calib, eval_text=args.eval, search_text=args.search_text, also_eval=tuple(args.also_eval or ()),
+        samples=args.samples, search_samples=args.search_samples, eval_samples=args.eval_samples,
+        fit_samples=args.fit_samples, seq_len=args.seq_len, sampling=sampling(args), accuracy_items=args.accuracy_items,
+        self_samples=args.self_samples, validation_samples=args.validation_samples,
+        validation_items=args.validation_items, task_items=args.task_items)
+    result = api.plan(args.model, args.output, budget=args.budget, texts=texts, extra=args.extra, moves=args.moves,
+                      shift=args.shift, per_layer_moves=args.per_layer_moves, fit_previous=args.fit_previous,
+                      pick=args.pick, force=args.force, progress=_progress(args), quantize=args.quantize,
+                      keep_float=args.keep_float, speedup_tokens=args.speedup_tokens, speedup_runs=args.speedup_runs,
+                      resume=args.resume, memory_limit=args.memory_limit, options=_options(args, args.batch_size))
     for note in result.notes:
         print(f"layerdrop: note: {note}", file=sys.stderr)
     report = result.to_dict()

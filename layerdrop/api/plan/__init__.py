@@ -17,8 +17,6 @@ from tqdm import tqdm
 
 from layerdrop import model_folder
 from layerdrop.api.common import (
-    DEFAULT_SAMPLES,
-    DEFAULT_SEQ_LEN,
     guard_memory,
     int4_write_back,
     open_model,
@@ -55,14 +53,11 @@ from layerdrop.passes.metadata import removed_modules, write_json
 from layerdrop.runtime.session import RunOptions
 from layerdrop.search.planner import candidate_pool
 from layerdrop.search.selection import Budget, PrefillMeter, parse_budget
-from layerdrop.windows import Sampling
 
-__all__ = ["CRITERIA", "DEFAULT_CRITERION", "MOVES", "Candidate", "PlanResult", "PlanRow", "choose_pick",
+__all__ = ["CRITERIA", "DEFAULT_CRITERION", "MOVES", "Candidate", "PlanResult", "PlanRow", "Texts", "choose_pick",
            "parse_moves", "plan"]
 
-ACCURACY_ITEMS = 200  # multiple-choice items of the accuracy column
 REPORT_NAME = "plan-report.md"  # the plan's report, in the written model's folder
-VALIDATION_SAMPLES, VALIDATION_ITEMS = 16, 50  # windows of each validation kind; items of each validation task
 SPEEDUP_TOKENS, SPEEDUP_RUNS = 1024, 5  # a speedup budget's prefill length (without one in it); timed runs a row
 SIZING_RUNS = 3  # timed runs of each structure measured to size a speedup budget's rows
 
@@ -73,32 +68,18 @@ def plan(
     out_dir: Path,
     *,
     budget: str,
-    calib: Path | None = None,
-    eval_text: Path | None = None,
-    search_text: Path | None = None,
-    samples: int = DEFAULT_SAMPLES,
-    search_samples: int = 16,
-    eval_samples: int = 32,
-    fit_samples: int = 64,
-    seq_len: int = DEFAULT_SEQ_LEN,
-    sampling: Sampling = Sampling(),
+    texts: Texts = Texts(),
     extra: int = 4,
     moves: str | None = None,
     shift: bool = True,
     per_layer_moves: bool = False,
-    self_samples: int = 0,
     fit_previous: bool | None = None,
     pick: str = DEFAULT_CRITERION,
-    validation_samples: int = VALIDATION_SAMPLES,
-    validation_items: int = VALIDATION_ITEMS,
-    task_items: int = 0,
     options: RunOptions = RunOptions(),
     force: bool = False,
     progress: bool = True,
     quantize: str | None = None,
     keep_float: bool = False,
-    also_eval: list[Path] | None = None,
-    accuracy_items: int = ACCURACY_ITEMS,
     speedup_tokens: int | None = None,
     speedup_runs: int = SPEEDUP_RUNS,
     resume: bool = False,
@@ -111,15 +92,17 @@ def plan(
     ReplaceMe's fitted run), a `speedup=X@T` budget any of them, its rows sized by measured prefill at T tokens;
     `moves` narrows them (`budget.parse_moves`). With the fit move, the planner searches fits (with
     `per_layer_moves`, each chosen layer's fit, drop or bypass; maps that also read the previous token unless
-    `fit_previous` is False); without it, drops and bypasses. Every choice is made on the search windows (of
-    `search_text`, or the search part of `calib`); every row is also measured on `validation_samples` windows of
-    each validation kind (the calibration text's held-out part, the bundled mix, the model's own text) and the
-    first `validation_items` validation items of ARC-Easy, ARC-Challenge and OpenBookQA, which no fit, mean or
-    search sees; on `eval_text` and each `also_eval` text, which nothing is chosen on; on `accuracy_items`
-    multiple-choice items of the held-out text (lm-eval, 0: no column); on the first `task_items` items of each of
-    the papers' standard tasks (`runtime.standard_tasks.PAPERS`, lm-eval's definitions, offline; 0: no column),
-    which nothing is chosen on either; and with `speedup_runs` > 0 timed at
-    `speedup_tokens` tokens. `self_samples` windows the model writes itself join every fit's calibration windows.
+    `fit_previous` is False); without it, drops and bypasses. `texts` (`texts.Texts`) says which texts are read
+    and how many windows and items of each: every choice is made on the search windows (of `texts.search_text`, or
+    the search part of `texts.calib`); every row is also measured on `texts.validation_samples` windows of each
+    validation kind (the calibration text's held-out part, the bundled mix, the model's own text) and the first
+    `texts.validation_items` validation items of ARC-Easy, ARC-Challenge and OpenBookQA, which no fit, mean or
+    search sees; on `texts.eval_text` and each `texts.also_eval` text, which nothing is chosen on; on
+    `texts.accuracy_items` multiple-choice items of the held-out text (lm-eval, 0: no column); on the first
+    `texts.task_items` items of each of the papers' standard tasks (`runtime.standard_tasks.PAPERS`, lm-eval's
+    definitions, offline; 0: no column), which nothing is chosen on either; and with `speedup_runs` > 0 timed at
+    `speedup_tokens` tokens. `texts.self_samples` windows the model writes itself join every fit's calibration
+    windows.
     The pick is the row `pick` (`report.CRITERIA`; default: the validation choice, guarded by the best paper row)
     chooses among those the allowed moves make (under a speedup budget, among those that reach it in the table's
     timing). The written model is float unless `quantize` (or an int4 source without `keep_float`) says
@@ -139,7 +122,8 @@ def plan(
             plan without `resume` or `force`.
     """
     check_criterion(pick)
-    if min(validation_samples, validation_items, task_items) < 0:
+    calib, samples, seq_len, sampling = texts.calib, texts.samples, texts.seq_len, texts.sampling
+    if min(texts.validation_samples, texts.validation_items, texts.task_items) < 0:
         raise LayerdropError("--validation-samples, --validation-items and --task-items count windows and items: "
                              "give 0 or more")
     guard_memory("plan", [model_path], memory_limit, copies=2, extra=PREFIX_BYTES + FIDELITY_BYTES,
@@ -153,12 +137,9 @@ def plan(
     if not attention:
         raise LayerdropError("this graph has no attention regions; nothing to plan")
     parsed = parse_budget(budget, len(attention))
-    allowed = allowed_moves(moves, parsed, shift=shift, per_layer_moves=per_layer_moves, self_samples=self_samples,
-                            fit_previous=bool(fit_previous))
+    allowed = allowed_moves(moves, parsed, shift=shift, per_layer_moves=per_layer_moves,
+                            self_samples=texts.self_samples, fit_previous=bool(fit_previous))
     fit_previous = "fit" in allowed if fit_previous is None else fit_previous
-    texts = Texts(calib, eval_text, search_text, tuple(also_eval or ()), samples, search_samples, eval_samples,
-                  fit_samples, seq_len, sampling, accuracy_items, self_samples, validation_samples, validation_items,
-                  task_items)
     started = time.perf_counter()
     notes: list[str] = []  # for the user; those of rows left out also go into the report's `skipped`
     windows = plan_windows(folder.path, texts, notes)
@@ -171,7 +152,7 @@ def plan(
                     {r["layer"]: r["score"] for r in rows if r["kind"] == "block"}, windows.calib, windows.search,
                     None, options, progress, [], fit_previous)
     windows.validation = saved.cached(
-        "model-text", (window_ids(windows.calib), validation_samples, seq_len, sampling, options.provider,
+        "model-text", (window_ids(windows.calib), texts.validation_samples, seq_len, sampling, options.provider,
                        [window_ids(w) for w in windows.validation.kinds.values()], windows.validation.items),
         lambda: with_model_text(model, folder.path, windows.validation, texts, options, progress, notes))
     phase = _Phases(progress)
@@ -209,16 +190,12 @@ def plan(
     runtime, python = run_snippet(Path(out_dir))
     result.run = {"runtime": runtime, "python": python}
     result.reproduce = reproduce_command("plan", [model_path], {
-        "-o": out_dir, "--budget": budget, "--calib": calib, "--eval": eval_text, "--search-text": search_text,
-        "--also-eval": list(also_eval or []), "--moves": moves, "--no-shift": not shift,
-        "--per-layer-moves": per_layer_moves, "--fit-per-token": not fit_previous and "fit" in allowed,
-        "--pick": _unless(pick, DEFAULT_CRITERION), "--samples": _unless(samples, DEFAULT_SAMPLES),
-        "--search-samples": _unless(search_samples, 16), "--eval-samples": _unless(eval_samples, 32),
-        "--fit-samples": _unless(fit_samples, 64), "--seq-len": _unless(seq_len, DEFAULT_SEQ_LEN),
-        "--extra": _unless(extra, 4), "--self-samples": _unless(self_samples, 0),
-        "--validation-samples": _unless(validation_samples, VALIDATION_SAMPLES),
-        "--validation-items": _unless(validation_items, VALIDATION_ITEMS), "--task-items": _unless(task_items, 0),
-        "--accuracy-items": _unless(accuracy_items, ACCURACY_ITEMS), "--speedup-tokens": speedup_tokens,
+        "-o": out_dir, "--budget": budget, "--calib": calib, "--eval": texts.eval_text,
+        "--search-text": texts.search_text, "--also-eval": list(texts.also_eval), "--moves": moves,
+        "--no-shift": not shift, "--per-layer-moves": per_layer_moves,
+        "--fit-per-token": not fit_previous and "fit" in allowed, "--pick": _unless(pick, DEFAULT_CRITERION),
+        **{option: _unless(getattr(texts, name), getattr(DEFAULT_TEXTS, name)) for option, name in TEXT_OPTIONS},
+        "--extra": _unless(extra, 4), "--speedup-tokens": speedup_tokens,
         "--speedup-runs": _unless(speedup_runs, SPEEDUP_RUNS), "--seed": _unless(sampling.seed, 0),
         "--from-start": sampling.from_start, "--text-field": _unless(sampling.text_field, "text"),
         "--provider": _unless(options.provider, "cpu"), "--threads": options.threads,
@@ -227,6 +204,13 @@ def plan(
     result.checkpoints = {"loaded": list(store.loaded), "computed": list(store.computed)}
     store.remove()
     return result
+
+
+DEFAULT_TEXTS = Texts()
+TEXT_OPTIONS = (("--samples", "samples"), ("--search-samples", "search_samples"), ("--eval-samples", "eval_samples"),
+                ("--fit-samples", "fit_samples"), ("--seq-len", "seq_len"), ("--self-samples", "self_samples"),
+                ("--validation-samples", "validation_samples"), ("--validation-items", "validation_items"),
+                ("--task-items", "task_items"), ("--accuracy-items", "accuracy_items"))
 
 
 def _unless(value, default):
