@@ -203,6 +203,9 @@ def section_criteria(work: Path, source: str, config: dict, s: dict, run: Runner
     return {"prose": attention_plan("plan prose", "plan-prose", scored, "prose", config, s, run, attn)}
 
 
+DROPPED_KINDS = ("model's own text",)  # validation kinds plans measured before and no longer do
+
+
 def current_picks(plan: dict) -> dict[str, str]:
     """The row each pick criterion of this layerdrop takes among the plan's measured rows (those its moves allow):
     plan.json's own `picks` are those of the version that measured it."""
@@ -213,7 +216,10 @@ def current_picks(plan: dict) -> dict[str, str]:
              "replaced_into": None, "run_ridge": None, "moves": [], "kv_kept": 1.0}
 
     def as_row(entry: dict) -> PlanRow:
-        return PlanRow(**{**empty, **{k: v for k, v in entry.items() if k in names}})
+        row = PlanRow(**{**empty, **{k: v for k, v in entry.items() if k in names}})
+        if row.validation_ppl:  # a kind this version no longer measures (see docs/design.md) is not evidence
+            row.validation_ppl = {k: v for k, v in row.validation_ppl.items() if k not in DROPPED_KINDS} or None
+        return row
 
     rows = [as_row(m) for m in plan["methods"] if set(m["moves"]) <= set(plan["moves"])]
     return choose_pick(rows, as_row(plan["baseline"]), plan.get("criterion", "guarded"))[2]

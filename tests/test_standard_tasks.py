@@ -373,8 +373,7 @@ def test_plan_rows_validation_items_and_windows_match_lm_eval_hf_model_and_torch
                           validation_samples=3, validation_items=5)
     result = api.plan(folder, tmp_path / "plan", budget="attn=1", texts=texts, extra=1, moves="drop,bypass",
                       progress=False).to_dict()
-    assert result["validation_items"] == 5 and set(result["validation_texts"]) == {"calibration kind",
-                                                                                   "model's own text"}
+    assert result["validation_items"] == 5 and set(result["validation_texts"]) == {"calibration kind"}
     torch_model = _hf_reference(hf_folder)
     expected = _validation_reference(_hf_model(torch_model, folder), tmp_path)
     assert len(expected) == sum(len(rows) for rows in VALIDATION.values())

@@ -283,7 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "and task), validation (geometric mean of perplexity ratios over the validation kinds), "
                    "worst-kind, tasks (validation items of ARC and OpenBookQA), search (the search perplexity)")
     p.add_argument("--validation-samples", type=int, default=16, help="windows of each validation kind (the "
-                   "calibration text's held-out part, the bundled mix, the model's own text; 0: none)")
+                   "calibration text's held-out part, and the bundled mix where it is not the calibration text; 0: "
+                   "none)")
     p.add_argument("--validation-items", type=int, default=50, help="validation items of each of ARC-Easy, "
                    "ARC-Challenge and OpenBookQA (never the reported test items; 0: none)")
     p.add_argument("--task-items", type=int, default=0, metavar="N",

@@ -39,7 +39,7 @@ from layerdrop.api.plan.candidates import (
 from layerdrop.api.plan.measure import FIDELITY_BYTES, PREFIX_BYTES, Measure, choose_prefix, fidelity_windows
 from layerdrop.api.plan.report import CRITERIA, DEFAULT_CRITERION, PlanResult, PlanRow, check_criterion, choose_pick
 from layerdrop.api.plan.resume import Checkpoints, folder_fingerprint, keeps_work, plan_work_area, window_ids
-from layerdrop.api.plan.texts import PlanWindows, Texts, fit_windows, plan_windows, with_model_text
+from layerdrop.api.plan.texts import PlanWindows, Texts, fit_windows, plan_windows
 from layerdrop.api.reports import plan_summary, reproduce_command, run_snippet
 from layerdrop.api.score import score
 from layerdrop.checkpoints import CheckpointStore
@@ -95,7 +95,7 @@ def plan(
     `fit_previous` is False); without it, drops and bypasses. `texts` (`texts.Texts`) says which texts are read
     and how many windows and items of each: every choice is made on the search windows (of `texts.search_text`, or
     the search part of `texts.calib`); every row is also measured on `texts.validation_samples` windows of each
-    validation kind (the calibration text's held-out part, the bundled mix, the model's own text) and the first
+    validation kind (the calibration text's held-out part, the bundled mix) and the first
     `texts.validation_items` validation items of ARC-Easy, ARC-Challenge and OpenBookQA, which no fit, mean or
     search sees; on `texts.eval_text` and each `texts.also_eval` text, which nothing is chosen on; on
     `texts.accuracy_items` multiple-choice items of the held-out text (lm-eval, 0: no column); on the first
@@ -151,10 +151,6 @@ def plan(
     inputs = Inputs(model, folder.path, {r["layer"]: r["score"] for r in rows if r["kind"] == "attn"},
                     {r["layer"]: r["score"] for r in rows if r["kind"] == "block"}, windows.calib, windows.search,
                     None, options, progress, [], fit_previous)
-    windows.validation = saved.cached(
-        "model-text", (window_ids(windows.calib), texts.validation_samples, seq_len, sampling, options.provider,
-                       [window_ids(w) for w in windows.validation.kinds.values()], windows.validation.items),
-        lambda: with_model_text(model, folder.path, windows.validation, texts, options, progress, notes))
     phase = _Phases(progress)
     meter = _sizing_meter(inputs, parsed, allowed, speedup_runs, phase) if parsed.kind == "speedup" else None
     counts = saved.cached("sizing", (parsed, inputs.scores, inputs.block_scores, allowed, extra, options,

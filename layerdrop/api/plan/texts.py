@@ -121,7 +121,7 @@ def plan_windows(folder: Path, texts: Texts, notes: list[str]) -> PlanWindows:
 
 def validation_texts(folder: Path, texts: Texts, held_out: HeldOut, search: Windows, calibration_sha256: str,
                      notes: list[str]) -> Validation:
-    """The validation windows of the texts (the model's own are added by `with_model_text`): the calibration
+    """The validation windows of the texts: the calibration
     text's held-out part (its windows of role eval, apart from its calibration and search windows) and the bundled
     mix (its held-out part where it is the calibration text, else spread over all of it), each left out, with a
     note, where a held-out text or a search text other than the calibration text is the same text; and the task
@@ -163,26 +163,6 @@ def validation_items(items: int, notes: list[str]) -> int:
         notes.append(f"no validation task items: {exc}")
         return 0
     return items
-
-
-def with_model_text(model: ir.Model, folder: Path, validation: Validation, texts: Texts, options: RunOptions,
-                    progress: bool, notes: list[str]) -> Validation:
-    """`validation` with a kind of `texts.validation_samples` windows the model writes itself (a seed apart from
-    the fits' own windows), where the graph has a KV cache (else a note)."""
-    if texts.validation_samples <= 0 or not validation.kinds:
-        return validation
-    base = next(iter(validation.kinds.values()))
-    try:
-        written = with_self_samples(model, folder, Windows(base.ids[:0], dict(base.source), base.bos),
-                                    texts.validation_samples, texts.sampling.seed + 1, progress, options)
-    except LayerdropError as exc:
-        notes.append(f"no validation windows of the model's own text: {exc}")
-        return validation
-    written.source.clear()
-    written.source.update(file="the model's own text", sha256=None, role="validation", samples=len(written.ids),
-                          seq_len=texts.seq_len, layout="written by the model at temperature 1",
-                          seed=texts.sampling.seed + 1)
-    return Validation({**validation.kinds, "model's own text": written}, validation.items)
 
 
 def fit_windows(model: ir.Model, folder: Path, texts: Texts, options: RunOptions, progress: bool) -> Windows:
