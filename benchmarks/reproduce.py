@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ("pipeline", "planner", "criteria", "deploy")
+SECTIONS = ("pipeline", "planner", "speedup", "criteria", "deploy")
 MODELS = {  # the known model each name stands for, the planner section's budget, and its extra plan options
     "smollm2": {"source": "smollm2-135m", "planner_attn": 8, "plan_args": []},
     "gemma3": {"source": "gemma3-270m", "planner_attn": 4,
@@ -61,9 +61,10 @@ def sizes(quick: bool) -> dict:
     """Windows, runs and lengths of every command: the README's (the commands' defaults) or a small version."""
     if not quick:
         return {"samples": 64, "seq_len": 256, "eval_samples": 32, "search_samples": 8, "seq": "256,1024",
-                "runs": 5, "decode": 32, "generation": "8,2048,64", "speedup_tokens": 1024, "quick": []}
+                "runs": 5, "decode": 32, "generation": "8,2048,64", "speedup_tokens": 1024, "task_items": 300,
+                "quick": []}
     return {"samples": 8, "seq_len": 128, "eval_samples": 8, "search_samples": 4, "seq": "256", "runs": 2,
-            "decode": 8, "generation": "1,256,8", "speedup_tokens": 256,
+            "decode": 8, "generation": "1,256,8", "speedup_tokens": 256, "task_items": 4,
             "quick": ["--search-samples", "4", "--fit-samples", "8", "--extra", "1", "--accuracy-items", "20",
                       "--speedup-runs", "1", "--samples", "8", "--eval-samples", "8", "--seq-len", "128"]}
 
@@ -177,22 +178,29 @@ def scored_model(work: Path, source: str, s: dict, run: Runner) -> Path:
 
 def attention_plan(step: str, name: str, scored: Path, calib: str, config: dict, s: dict, run: Runner,
                    attn: int) -> dict:
-    """`plan --budget attn=N --calib CALIB -o NAME`, held out on prose, docs, code and the dictionary; its
-    plan.json."""
+    """`plan --budget attn=N --calib CALIB -o NAME`, held out on prose, docs, code and the dictionary and on the
+    first items of each of the papers' tasks; its plan.json."""
     out = scored.parent
     run(step, "plan", str(scored), "-o", str(out / name), "--budget", f"attn={attn}", "--calib", calib,
         *config["plan_args"], *s["quick"], "--also-eval", "docs", "--also-eval", "code", "--also-eval", "dictionary",
-        "--force", "--json", str(out / f"{name}.json"))
+        "--task-items", str(s["task_items"]), "--force", "--json", str(out / f"{name}.json"))
     return slim_plan(read(out / f"{name}.json"))
 
 
 def section_planner(work: Path, source: str, config: dict, s: dict, run: Runner, attn: int) -> dict:
+    """The default plan: a quarter of the attention layers (attn=N), calibrated on the mix."""
     scored = scored_model(work, source, s, run)
-    default = attention_plan("plan default", "plan", scored, "calib", config, s, run, attn)
+    return {"default": attention_plan("plan default", "plan", scored, "calib", config, s, run, attn)}
+
+
+def section_speedup(work: Path, source: str, config: dict, s: dict, run: Runner) -> dict:
+    """The speedup plan: 25% less prefill time, block moves and fitted maps allowed."""
+    scored = scored_model(work, source, s, run)
     run("plan speedup", "plan", str(scored), "-o", str(scored.parent / "speedup"), "--budget",
         f"speedup={SPEEDUP}@{s['speedup_tokens']}", "--moves", "blocks,fit", *s["quick"], "--also-eval", "docs",
-        "--also-eval", "code", "--force", "--json", str(scored.parent / "speedup.json"))
-    return {"default": default, "speedup": slim_plan(read(scored.parent / "speedup.json"))}
+        "--also-eval", "code", "--task-items", str(s["task_items"]), "--force", "--json",
+        str(scored.parent / "speedup.json"))
+    return {"speedup": slim_plan(read(scored.parent / "speedup.json"))}
 
 
 def section_criteria(work: Path, source: str, config: dict, s: dict, run: Runner, attn: int) -> dict:
@@ -227,7 +235,9 @@ def current_picks(plan: dict) -> dict[str, str]:
 
 def render_criteria_table(plan: dict) -> str:
     """Each criterion's pick and the best paper row on every held-out text, as a ratio to the baseline's
-    perplexity, with the accuracy column."""
+    perplexity, with the accuracy column and the papers' tasks."""
+    from layerdrop.api.reports import tasks_cell
+
     texts = [plan["eval_text"]["file"], *(t["file"] for t in plan.get("also_eval_texts", []))]
     base = plan["baseline"]
     rows = {m["method"]: m for m in plan["methods"]}
@@ -243,10 +253,13 @@ def render_criteria_table(plan: dict) -> str:
     def cells(row: dict) -> list[str]:
         ratios = [f"{mine / theirs:.3f}" for mine, theirs in zip(held(row), held(base))]
         accuracy = [f"{100 * row['accuracy']:.1f}"] if plan.get("accuracy_items") else []
-        return ratios + [f"{math.exp(spread(row)):.3f}"] + accuracy
+        tasks = [tasks_cell(row, base, True)] if plan.get("task_items") else []
+        return ratios + [f"{math.exp(spread(row)):.3f}"] + accuracy + tasks
 
     head = ["row", "chosen by", *(f"held-out ppl / baseline ({t})" for t in texts), "geometric mean"]
     head += [f"accuracy, {plan['accuracy_items']} items, %"] if plan.get("accuracy_items") else []
+    head += ([f"papers' tasks, {plan['task_items']} items each: average % (retained, chance-adjusted)"]
+             if plan.get("task_items") else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     papers = [m for m in plan["methods"] if m.get("paper")]
     best = min(papers, key=spread, default=None)
@@ -364,6 +377,8 @@ def render_pipeline(data: dict) -> str:
 
 
 def render_plan(plan: dict) -> str:
+    from layerdrop.api.reports import tasks_cell
+
     texts = [plan["eval_text"]["file"], *(t["file"] for t in plan.get("also_eval_texts", []))]
     head = ["method", "KV kept", f"prefill speedup at {plan['speedup_tokens']} tokens",
             f"search ppl ({plan['search_text']['file']})", *(f"held-out ppl ({t})" for t in texts)]
@@ -375,6 +390,10 @@ def render_plan(plan: dict) -> str:
         head.append(f"validation ppl / baseline's (geometric mean, {len(kinds)} kinds)")
     if plan.get("validation_items"):
         head.append(f"validation tasks, {3 * plan['validation_items']} items, %")
+    if plan.get("task_items"):
+        head.append(f"papers' tasks, {plan['task_items']} items each: average % (retained, chance-adjusted)")
+    if plan.get("fidelity_text"):
+        head.append(f"KL from the baseline, nats/token (top-1 agreement), {plan['fidelity_text']['tokens']} tokens")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in [{"method": "baseline", "kv_kept": 1.0, "speedup": 1.0, **plan["baseline"]}, *plan["methods"]]:
         if row.get("replaced_into"):
@@ -390,6 +409,11 @@ def render_plan(plan: dict) -> str:
             cells.append(f"{math.exp(sum(logs) / len(logs)):.3f}")
         if plan.get("validation_items"):
             cells.append(f"{100 * row['validation_accuracy']:.1f}")
+        baseline = row["method"] == "baseline"
+        if plan.get("task_items"):
+            cells.append(tasks_cell(row, plan["baseline"], not baseline))
+        if plan.get("fidelity_text"):
+            cells.append("0 (100%)" if baseline else f"{row['kl']:.4f} ({100 * row['top1_agreement']:.1f}%)")
         if row["method"] == plan["pick"]["method"]:
             cells[0] = f"**{cells[0]}**"
         lines.append("| " + " | ".join(cells) + " |")
@@ -403,7 +427,12 @@ def render_planner(data: dict) -> str:
     parts = [f"Default plan ({r['default']['budget']}, calibrated on the mixed text):", render_plan(r["default"])]
     if r["default"].get("picks"):
         parts += ["Each criterion's pick:", render_criteria_table(r["default"])]
-    return "\n\n".join([*parts, f"Speedup plan ({r['speedup']['budget']}):", render_plan(r["speedup"])])
+    return "\n\n".join(parts)
+
+
+def render_speedup(data: dict) -> str:
+    plan = data["results"]["speedup"]
+    return "\n\n".join([f"Speedup plan ({plan['budget']}, calibrated on the mixed text):", render_plan(plan)])
 
 
 def render_deploy(data: dict) -> str:
@@ -483,10 +512,13 @@ def render_goals(reports: dict) -> str:
     return "\n".join(lines)
 
 
-RENDER = {"pipeline": render_pipeline, "planner": render_planner, "criteria": render_criteria,
+RENDER = {"pipeline": render_pipeline, "planner": render_planner, "speedup": render_speedup,
+          "criteria": render_criteria,
           "deploy": render_deploy}
 TITLES = {"pipeline": "The pipeline, HARP and the planner at the same count",
-          "planner": "The planner", "criteria": "How the pick is chosen: criteria on data the choice never saw",
+          "planner": "The planner at a quarter of the attention layers",
+          "speedup": "The planner at a speedup budget, block moves allowed",
+          "criteria": "How the pick is chosen: criteria on data the choice never saw",
           "deploy": "Deployment: fused, int4 and the model builder's graph"}
 
 
@@ -599,6 +631,8 @@ def main(argv: list[str] | None = None) -> int:
                 results = section_pipeline(work, source, config, s, run)
             elif section == "planner":
                 results = section_planner(work, source, config, s, run, key["planner_attn"])
+            elif section == "speedup":
+                results = section_speedup(work, source, config, s, run)
             elif section == "criteria":
                 results = section_criteria(work, source, config, s, run, key["planner_attn"])
             else:

@@ -63,7 +63,7 @@ def row(table: dict[str, list[str]], start: str) -> list[str]:
 
 def test_every_section_writes_its_json_with_provenance_and_texts(measured):
     out, _, folder = measured
-    for section in ("pipeline", "planner", "criteria", "deploy"):
+    for section in ("pipeline", "planner", "speedup", "criteria", "deploy"):
         data = json.loads((out / "smollm2" / f"{section}.json").read_text())
         assert data["args"]["source"] == str(folder) and data["args"]["quick"] is True
         assert re.fullmatch(r"[0-9a-f]{40}", data["commit"]) and re.fullmatch(r"[0-9a-f]{40}", data["head"])
@@ -100,20 +100,36 @@ def test_the_pipeline_table_shows_the_json_numbers(measured):
     assert numbers(cells[3])[0] == round(100 * r["plan"]["pick"]["accuracy"], 1)
 
 
-def test_the_planner_tables_show_every_row_of_both_plans(measured):
+def tasks_average(row: dict) -> float:
+    """A row's average over the papers' tasks in percent, from its items' outcomes in the JSON."""
+    return 100 * sum(sum(v) / len(v) for v in row["tasks_correct"].values()) / len(row["tasks_correct"])
+
+
+def test_the_planner_tables_show_every_row_of_both_plans_with_the_papers_tasks_and_fidelity(measured):
     out, _, _ = measured
-    r = json.loads((out / "smollm2" / "planner.json").read_text())["results"]
+    plans = (json.loads((out / "smollm2" / "planner.json").read_text())["results"]["default"],
+             json.loads((out / "smollm2" / "speedup.json").read_text())["results"]["speedup"])
     found = [t for t in tables((out / "smollm2" / "README.md").read_text()) if t[""][0] == "method"][:2]
-    for plan, table in zip((r["default"], r["speedup"]), found):
+    assert len(found) == 2
+    for plan, table in zip(plans, found):
+        assert plan["task_items"] == 4
+        tasks = [i for i, name in enumerate(table[""][1:]) if name.startswith("papers' tasks")]
+        kl = [i for i, name in enumerate(table[""][1:]) if name.startswith("KL from the baseline")]
+        assert len(tasks) == len(kl) == 1
         rows = [m for m in plan["methods"] if not m.get("replaced_into")]
         assert len(table) == 2 + len(rows)  # the header, the baseline and every row
         assert numbers(table["baseline"][3]) == [round(plan["baseline"]["eval_ppl"], 2)]
+        base = tasks_average(plan["baseline"])
+        assert numbers(table["baseline"][tasks[0]]) == [round(base, 1)]
         for method in rows:
             label = f"**{method['method']}**" if method["method"] == plan["pick"]["method"] else method["method"]
             cells = table[label]
             assert numbers(cells[2]) == [round(method["search_ppl"], 2)]
             assert numbers(cells[3]) == [round(method["eval_ppl"], 2)]
             assert numbers(cells[1]) == ([] if method["speedup"] is None else [round(method["speedup"], 2)])
+            average = tasks_average(method)
+            assert numbers(cells[tasks[0]])[:2] == [round(average, 1), round(100 * average / base, 1)]
+            assert numbers(cells[kl[0]]) == [round(method["kl"], 4), round(100 * method["top1_agreement"], 1)]
 
 
 def test_the_criteria_table_shows_the_row_each_criterion_picks_with_its_held_out_ratios(measured):

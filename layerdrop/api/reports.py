@@ -222,7 +222,7 @@ def plan_table(result: dict) -> str:
             paired = measured and row.get("accuracy_difference_se") is not None
             values.append(f"{row['accuracy_difference']:+.1f} ± {row['accuracy_difference_se']:.1f}" if paired else "-")
         if task_items:
-            values.append(_tasks_cell(row, result["baseline"], measured))
+            values.append(tasks_cell(row, result["baseline"], measured))
         if fidelity:
             values.append(f"{row['kl']:.4f} ({100 * row['top1_agreement']:.1f}%)" if measured and "kl" in row
                           else "0 (100%)")
@@ -245,7 +245,7 @@ def tasks_average(row: dict) -> tuple[float, float]:
             100 * sum(chance.values()) / len(chance))
 
 
-def _tasks_cell(row: dict, baseline: dict, measured: bool) -> str:
+def tasks_cell(row: dict, baseline: dict, measured: bool) -> str:
     """'41.3 (97.2%, 88.0%)': the row's task average, retained and chance-adjusted retained against the
     baseline's ((row - chance) / (baseline - chance); n/a where the baseline is at or below chance)."""
     average, chance = tasks_average(row)
