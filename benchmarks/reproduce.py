@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ("pipeline", "planner", "speedup", "criteria", "deploy")
+SECTIONS = ("pipeline", "planner", "blocks", "speedup", "criteria", "deploy")
 MODELS = {  # the known model each name stands for, the planner section's budget, and its extra plan options
     "smollm2": {"source": "smollm2-135m", "planner_attn": 8, "plan_args": []},
     "gemma3": {"source": "gemma3-270m", "planner_attn": 4,
@@ -193,6 +193,17 @@ def section_planner(work: Path, source: str, config: dict, s: dict, run: Runner,
     return {"default": attention_plan("plan default", "plan", scored, "calib", config, s, run, attn)}
 
 
+def section_blocks(work: Path, source: str, config: dict, s: dict, run: Runner, count: int) -> dict:
+    """The block plan: a quarter of the blocks (as many as the attention plans' layers), ShortGPT's drop against
+    ReplaceMe's fitted run, calibrated on the mix, with the same held-out texts and tasks."""
+    scored = scored_model(work, source, s, run)
+    out = scored.parent
+    run("plan blocks", "plan", str(scored), "-o", str(out / "blocks"), "--budget", f"blocks={count}", "--calib",
+        "calib", *config["plan_args"], *s["quick"], "--also-eval", "docs", "--also-eval", "code", "--also-eval",
+        "dictionary", "--task-items", str(s["task_items"]), "--force", "--json", str(out / "blocks.json"))
+    return {"blocks": slim_plan(read(out / "blocks.json"))}
+
+
 def section_speedup(work: Path, source: str, config: dict, s: dict, run: Runner) -> dict:
     """The speedup plan: 25% less prefill time, block moves and fitted maps allowed."""
     scored = scored_model(work, source, s, run)
@@ -283,7 +294,7 @@ def render_criteria(data: dict) -> str:
         f"accuracy: {plan.get('accuracy_items', 0)} multiple-choice next-token items built from "
         f"{plan['eval_text']['file']}. Each criterion's pick, and the paper row that did best on the held-out texts "
         "(known only in hindsight):",
-        render_criteria_table(plan), *written_note(plan), "Every row:", render_plan(plan)])
+        render_criteria_table(plan), *written_note(plan), "Every row:", render_plan(plan), *render_tasks(plan)])
 
 
 def written_note(plan: dict) -> list[str]:
@@ -424,7 +435,8 @@ def render_plan(plan: dict) -> str:
 
 def render_planner(data: dict) -> str:
     r = data["results"]
-    parts = [f"Default plan ({r['default']['budget']}, calibrated on the mixed text):", render_plan(r["default"])]
+    parts = [f"Default plan ({r['default']['budget']}, calibrated on the mixed text):", render_plan(r["default"]),
+             *render_tasks(r["default"])]
     if r["default"].get("picks"):
         parts += ["Each criterion's pick:", render_criteria_table(r["default"])]
     return "\n\n".join(parts)
@@ -432,7 +444,37 @@ def render_planner(data: dict) -> str:
 
 def render_speedup(data: dict) -> str:
     plan = data["results"]["speedup"]
-    return "\n\n".join([f"Speedup plan ({plan['budget']}, calibrated on the mixed text):", render_plan(plan)])
+    return "\n\n".join([f"Speedup plan ({plan['budget']}, calibrated on the mixed text):", render_plan(plan),
+                        *render_tasks(plan)])
+
+
+def render_blocks(data: dict) -> str:
+    plan = data["results"]["blocks"]
+    return "\n\n".join([f"Block plan ({plan['budget']}, calibrated on the mixed text):", render_plan(plan),
+                        *render_tasks(plan)])
+
+
+def render_tasks(plan: dict) -> list[str]:
+    """Every row's score on each of the papers' tasks (the first `task_items` items of each; each task's metric, in
+    percent), with the chance level; none where the plan measured no task items."""
+    from layerdrop.runtime.standard_tasks import STANDARD_TASKS
+
+    if not plan.get("task_items"):
+        return []
+    tasks = list(plan["baseline"]["tasks_correct"])
+    lines = ["| method | " + " | ".join(f"{t} ({STANDARD_TASKS[t].metric})" for t in tasks) + " | average |",
+             "|---|" + "---|" * (len(tasks) + 1)]
+    chance = plan["baseline"]["tasks_chance"]
+    lines.append("| chance | " + " | ".join(f"{100 * chance[t]:.1f}" for t in tasks)
+                 + f" | {100 * sum(chance.values()) / len(chance):.1f} |")
+    for row in [{"method": "baseline", **plan["baseline"]}, *plan["methods"]]:
+        if row.get("replaced_into") or not row.get("tasks_correct"):
+            continue
+        scores = [100 * sum(row["tasks_correct"][t]) / len(row["tasks_correct"][t]) for t in tasks]
+        lines.append(f"| {row['method']} | " + " | ".join(f"{v:.1f}" for v in scores)
+                     + f" | {sum(scores) / len(scores):.1f} |")
+    return [f"The papers' tasks, the first {plan['task_items']} items of each (lm-eval's definitions, offline), "
+            "per task:", "\n".join(lines)]
 
 
 def render_deploy(data: dict) -> str:
@@ -512,11 +554,12 @@ def render_goals(reports: dict) -> str:
     return "\n".join(lines)
 
 
-RENDER = {"pipeline": render_pipeline, "planner": render_planner, "speedup": render_speedup,
+RENDER = {"pipeline": render_pipeline, "planner": render_planner, "blocks": render_blocks, "speedup": render_speedup,
           "criteria": render_criteria,
           "deploy": render_deploy}
 TITLES = {"pipeline": "The pipeline, HARP and the planner at the same count",
           "planner": "The planner at a quarter of the attention layers",
+          "blocks": "Block moves at a quarter of the blocks: ShortGPT and ReplaceMe",
           "speedup": "The planner at a speedup budget, block moves allowed",
           "criteria": "How the pick is chosen: criteria on data the choice never saw",
           "deploy": "Deployment: fused, int4 and the model builder's graph"}
@@ -631,6 +674,8 @@ def main(argv: list[str] | None = None) -> int:
                 results = section_pipeline(work, source, config, s, run)
             elif section == "planner":
                 results = section_planner(work, source, config, s, run, key["planner_attn"])
+            elif section == "blocks":
+                results = section_blocks(work, source, config, s, run, key["planner_attn"])
             elif section == "speedup":
                 results = section_speedup(work, source, config, s, run)
             elif section == "criteria":

@@ -63,7 +63,7 @@ def row(table: dict[str, list[str]], start: str) -> list[str]:
 
 def test_every_section_writes_its_json_with_provenance_and_texts(measured):
     out, _, folder = measured
-    for section in ("pipeline", "planner", "speedup", "criteria", "deploy"):
+    for section in ("pipeline", "planner", "blocks", "speedup", "criteria", "deploy"):
         data = json.loads((out / "smollm2" / f"{section}.json").read_text())
         assert data["args"]["source"] == str(folder) and data["args"]["quick"] is True
         assert re.fullmatch(r"[0-9a-f]{40}", data["commit"]) and re.fullmatch(r"[0-9a-f]{40}", data["head"])
@@ -105,12 +105,14 @@ def tasks_average(row: dict) -> float:
     return 100 * sum(sum(v) / len(v) for v in row["tasks_correct"].values()) / len(row["tasks_correct"])
 
 
-def test_the_planner_tables_show_every_row_of_both_plans_with_the_papers_tasks_and_fidelity(measured):
+def test_the_plan_tables_show_every_row_with_the_papers_tasks_and_fidelity(measured):
     out, _, _ = measured
-    plans = (json.loads((out / "smollm2" / "planner.json").read_text())["results"]["default"],
-             json.loads((out / "smollm2" / "speedup.json").read_text())["results"]["speedup"])
-    found = [t for t in tables((out / "smollm2" / "README.md").read_text()) if t[""][0] == "method"][:2]
-    assert len(found) == 2
+    plans = [json.loads((out / "smollm2" / f"{section}.json").read_text())["results"][key]
+             for section, key in (("planner", "default"), ("blocks", "blocks"), ("speedup", "speedup"),
+                                  ("criteria", "prose"))]
+    found = [t for t in tables((out / "smollm2" / "README.md").read_text())  # in the page's order
+             if t[""][0] == "method" and t[""][-1] != "average"]
+    assert len(found) == 4
     for plan, table in zip(plans, found):
         assert plan["task_items"] == 4
         tasks = [i for i, name in enumerate(table[""][1:]) if name.startswith("papers' tasks")]
@@ -130,6 +132,30 @@ def test_the_planner_tables_show_every_row_of_both_plans_with_the_papers_tasks_a
             average = tasks_average(method)
             assert numbers(cells[tasks[0]])[:2] == [round(average, 1), round(100 * average / base, 1)]
             assert numbers(cells[kl[0]]) == [round(method["kl"], 4), round(100 * method["top1_agreement"], 1)]
+
+
+def test_the_block_plan_compares_shortgpt_with_replaceme_and_every_plan_shows_each_task(measured):
+    out, _, _ = measured
+    blocks = json.loads((out / "smollm2" / "blocks.json").read_text())["results"]["blocks"]
+    assert blocks["budget"] == "blocks=1" and blocks["task_items"] == 4
+    assert any(m["method"].startswith("ShortGPT") for m in blocks["methods"])
+    page = (out / "smollm2" / "README.md").read_text()
+    per_task = [t for t in tables(page) if t[""][0] == "method" and t[""][-1] == "average"]
+    default = json.loads((out / "smollm2" / "planner.json").read_text())["results"]["default"]
+    speedup = json.loads((out / "smollm2" / "speedup.json").read_text())["results"]["speedup"]
+    prose = json.loads((out / "smollm2" / "criteria.json").read_text())["results"]["prose"]
+    assert len(per_task) == 4  # in the page's order: planner, blocks, speedup, criteria
+    for plan, table in zip((default, blocks, speedup, prose), per_task):
+        names = list(plan["baseline"]["tasks_correct"])
+        assert [cell.split(" (")[0] for cell in table[""][1:-1]] == names
+        chance = [100 * plan["baseline"]["tasks_chance"][t] for t in names]
+        assert numbers(" ".join(table["chance"])) == [round(v, 1) for v in [*chance, sum(chance) / len(chance)]]
+        for method in [{"method": "baseline", **plan["baseline"]}, *plan["methods"]]:
+            if method.get("replaced_into"):
+                continue
+            scores = [100 * sum(method["tasks_correct"][t]) / len(method["tasks_correct"][t]) for t in names]
+            expected = [round(v, 1) for v in [*scores, sum(scores) / len(scores)]]
+            assert numbers(" ".join(table[method["method"]])) == expected
 
 
 def test_the_criteria_table_shows_the_row_each_criterion_picks_with_its_held_out_ratios(measured):
