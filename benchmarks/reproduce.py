@@ -442,6 +442,45 @@ def render_planner(data: dict) -> str:
     return "\n\n".join(parts)
 
 
+HELD_OUT_KINDS = {"eval.txt": "prose", "docs.txt": "docs", "code.txt": "code", "dictionary.txt": "dictionary"}
+
+
+def render_headline(data: dict) -> str:
+    """The README's table for a model: the default plan's baseline, the papers' rows and the pick, on every
+    held-out text, the papers' tasks and the fidelity, with the prefill speedup."""
+    from layerdrop.api.reports import tasks_cell
+
+    plan = data["results"]["default"]
+    texts = [plan["eval_text"]["file"], *(t["file"] for t in plan.get("also_eval_texts", []))]
+    head = [f"method (budget {plan['budget']}, KV kept {plan['kv_fraction_kept']:.3f})",
+            *(f"held-out ppl ({HELD_OUT_KINDS.get(t, t)})" for t in texts)]
+    if plan.get("accuracy_items"):
+        head.append(f"next-words accuracy, {plan['accuracy_items']} items of held-out "
+                    f"{HELD_OUT_KINDS.get(texts[0], texts[0])}, %")
+    if plan.get("task_items"):
+        head.append(f"papers' tasks, {plan['task_items']} items each: average % (retained, chance-adjusted)")
+    if plan.get("fidelity_text"):
+        head.append("KL from the baseline, nats/token (top-1 agreement)")
+    head.append(f"prefill speedup at {plan['speedup_tokens']} tokens")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = [m for m in plan["methods"] if m.get("paper") or m["method"] == plan["pick"]["method"]]
+    for row in [{"method": "baseline", "speedup": 1.0, **plan["baseline"]}, *rows]:
+        baseline = row["method"] == "baseline"
+        also = row.get("also_eval_ppl", {})
+        cells = [row["method"], *(f"{row['eval_ppl'] if t == texts[0] else also[t]:.2f}" for t in texts)]
+        if plan.get("accuracy_items"):
+            cells.append(f"{100 * row['accuracy']:.1f}")
+        if plan.get("task_items"):
+            cells.append(tasks_cell(row, plan["baseline"], not baseline))
+        if plan.get("fidelity_text"):
+            cells.append("0 (100%)" if baseline else f"{row['kl']:.4f} ({100 * row['top1_agreement']:.1f}%)")
+        cells.append("-" if row.get("speedup") is None else f"{row['speedup']:.2f}x")
+        if row["method"] == plan["pick"]["method"]:
+            cells = [f"**{c}**" for c in cells]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def render_speedup(data: dict) -> str:
     plan = data["results"]["speedup"]
     return "\n\n".join([f"Speedup plan ({plan['budget']}, calibrated on the mixed text):", render_plan(plan),
@@ -580,7 +619,8 @@ def _minutes(data: dict) -> float:
 
 def render(out: Path, model: str, readme: Path) -> None:
     """OUT/<model>/README.md from every section's JSON (beside it, so hand-kept pages under OUT are never
-    overwritten), and the README's table between its markers."""
+    overwritten), and between the README's markers the model's headline table: the default plan's
+    (`render_headline`)."""
     found = {s: read(out / model / f"{s}.json") for s in SECTIONS if (out / model / f"{s}.json").exists()}
     if not found:
         print(f"reproduce: no JSON under {out / model}; nothing to render", file=sys.stderr)
@@ -593,11 +633,11 @@ def render(out: Path, model: str, readme: Path) -> None:
     print(f"reproduce: wrote {page}", file=sys.stderr)
     begin, end = f"<!-- results:{model} begin -->", f"<!-- results:{model} end -->"
     text = readme.read_text() if readme.exists() else ""
-    if "pipeline" not in found or begin not in text or end not in text.split(begin, 1)[1]:
-        print(f"reproduce: {readme} has no {begin} ... {end} markers (or no pipeline JSON); its table is not "
+    if "planner" not in found or begin not in text or end not in text.split(begin, 1)[1]:
+        print(f"reproduce: {readme} has no {begin} ... {end} markers (or no planner JSON); its table is not "
               "rendered", file=sys.stderr)
         return
-    table = RENDER["pipeline"](found["pipeline"]) + "\n\n" + stamp(found["pipeline"], model, "pipeline")
+    table = stamp(found["planner"], model, "planner") + "\n\n" + render_headline(found["planner"])
     before, rest = text.split(begin, 1)
     after = rest.split(end, 1)[1]
     write_atomic(readme, f"{before}{begin}\n{table}\n{end}{after}")

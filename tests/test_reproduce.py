@@ -224,7 +224,7 @@ def test_a_rerun_after_a_crash_runs_none_of_the_commands_already_done(measured):
 
 def test_render_only_replaces_the_text_between_the_markers_and_nothing_else(measured, tmp_path):
     out, _, _ = measured
-    r = json.loads((out / "smollm2" / "pipeline.json").read_text())["results"]
+    plan = json.loads((out / "smollm2" / "planner.json").read_text())["results"]["default"]
     head = "# A README\n\nSome text | with a pipe.\n\n<!-- results:smollm2 begin -->\n"
     tail = "<!-- results:smollm2 end -->\n\n| another | table |\n|---|---|\n| 1 | 2 |\n"
     readme = tmp_path / "README.md"
@@ -235,9 +235,15 @@ def test_render_only_replaces_the_text_between_the_markers_and_nothing_else(meas
     text = readme.read_text()
     assert text.startswith(head) and text.endswith(tail) and "an old" not in text
     inside = tables(text[len(head):-len(tail)])
-    assert len(inside) == 1
-    cells = row(inside[0], "perplexity, held-out prose")
-    assert numbers(cells[0]) == [round(r["eval"]["eval"]["base"]["perplexity"], 2)]
+    assert len(inside) == 1  # the default plan's baseline, its papers' rows and its pick
+    table = inside[0]
+    papers = [m for m in plan["methods"] if m.get("paper")]
+    assert len(table) == 2 + len(papers) + all(m["method"] != plan["pick"]["method"] for m in papers)
+    texts = [plan["eval_text"]["file"], *(t["file"] for t in plan["also_eval_texts"])]
+    for method in [{"method": "baseline", **plan["baseline"]}, *papers]:
+        label = f"**{method['method']}**" if method["method"] == plan["pick"]["method"] else method["method"]
+        held = [method["eval_ppl"], *(method["also_eval_ppl"][t] for t in texts[1:])]
+        assert [numbers(c)[0] for c in table[label][:len(texts)]] == [round(v, 2) for v in held]
     assert (out / "smollm2" / "README.md").read_bytes() == markdown, "the same JSON renders the same Markdown"
     assert {p: p.read_bytes() for p in (out / "smollm2").iterdir()} == json_files, "render-only measures nothing"
 
