@@ -176,12 +176,12 @@ def scored_model(work: Path, source: str, s: dict, run: Runner) -> Path:
     return out / "scored"
 
 
-def attention_plan(step: str, name: str, scored: Path, calib: str, config: dict, s: dict, run: Runner,
-                   attn: int) -> dict:
-    """`plan --budget attn=N --calib CALIB -o NAME`, held out on prose, docs, code and the dictionary and on the
+def held_out_plan(step: str, name: str, scored: Path, calib: str, config: dict, s: dict, run: Runner,
+                  budget: str) -> dict:
+    """`plan --budget BUDGET --calib CALIB -o NAME`, held out on prose, docs, code and the dictionary and on the
     first items of each of the papers' tasks; its plan.json."""
     out = scored.parent
-    run(step, "plan", str(scored), "-o", str(out / name), "--budget", f"attn={attn}", "--calib", calib,
+    run(step, "plan", str(scored), "-o", str(out / name), "--budget", budget, "--calib", calib,
         *config["plan_args"], *s["quick"], "--also-eval", "docs", "--also-eval", "code", "--also-eval", "dictionary",
         "--task-items", str(s["task_items"]), "--force", "--json", str(out / f"{name}.json"))
     return slim_plan(read(out / f"{name}.json"))
@@ -190,18 +190,14 @@ def attention_plan(step: str, name: str, scored: Path, calib: str, config: dict,
 def section_planner(work: Path, source: str, config: dict, s: dict, run: Runner, attn: int) -> dict:
     """The default plan: a quarter of the attention layers (attn=N), calibrated on the mix."""
     scored = scored_model(work, source, s, run)
-    return {"default": attention_plan("plan default", "plan", scored, "calib", config, s, run, attn)}
+    return {"default": held_out_plan("plan default", "plan", scored, "calib", config, s, run, f"attn={attn}")}
 
 
 def section_blocks(work: Path, source: str, config: dict, s: dict, run: Runner, count: int) -> dict:
     """The block plan: a quarter of the blocks (as many as the attention plans' layers), ShortGPT's drop against
     ReplaceMe's fitted run, calibrated on the mix, with the same held-out texts and tasks."""
     scored = scored_model(work, source, s, run)
-    out = scored.parent
-    run("plan blocks", "plan", str(scored), "-o", str(out / "blocks"), "--budget", f"blocks={count}", "--calib",
-        "calib", *config["plan_args"], *s["quick"], "--also-eval", "docs", "--also-eval", "code", "--also-eval",
-        "dictionary", "--task-items", str(s["task_items"]), "--force", "--json", str(out / "blocks.json"))
-    return {"blocks": slim_plan(read(out / "blocks.json"))}
+    return {"blocks": held_out_plan("plan blocks", "blocks", scored, "calib", config, s, run, f"blocks={count}")}
 
 
 def section_speedup(work: Path, source: str, config: dict, s: dict, run: Runner) -> dict:
@@ -219,7 +215,12 @@ def section_criteria(work: Path, source: str, config: dict, s: dict, run: Runner
     row's validation evidence and which row each pick criterion takes (calibrated on the mix: the planner
     section's default plan)."""
     scored = scored_model(work, source, s, run)
-    return {"prose": attention_plan("plan prose", "plan-prose", scored, "prose", config, s, run, attn)}
+    return {"prose": held_out_plan("plan prose", "plan-prose", scored, "prose", config, s, run, f"attn={attn}")}
+
+
+def held_out_files(plan: dict) -> list[str]:
+    """The file names of the plan's held-out texts: the eval text, then the --also-eval texts."""
+    return [plan["eval_text"]["file"], *(t["file"] for t in plan.get("also_eval_texts", []))]
 
 
 DROPPED_KINDS = ("model's own text",)  # validation kinds plans measured before and no longer do
@@ -249,7 +250,7 @@ def render_criteria_table(plan: dict) -> str:
     perplexity, with the accuracy column and the papers' tasks."""
     from layerdrop.api.reports import tasks_cell
 
-    texts = [plan["eval_text"]["file"], *(t["file"] for t in plan.get("also_eval_texts", []))]
+    texts = held_out_files(plan)
     base = plan["baseline"]
     rows = {m["method"]: m for m in plan["methods"]}
 
@@ -388,9 +389,9 @@ def render_pipeline(data: dict) -> str:
 
 
 def render_plan(plan: dict) -> str:
-    from layerdrop.api.reports import tasks_cell
+    from layerdrop.api.reports import fidelity_cell, tasks_cell
 
-    texts = [plan["eval_text"]["file"], *(t["file"] for t in plan.get("also_eval_texts", []))]
+    texts = held_out_files(plan)
     head = ["method", "KV kept", f"prefill speedup at {plan['speedup_tokens']} tokens",
             f"search ppl ({plan['search_text']['file']})", *(f"held-out ppl ({t})" for t in texts)]
     if plan.get("accuracy_items"):
@@ -420,11 +421,11 @@ def render_plan(plan: dict) -> str:
             cells.append(f"{math.exp(sum(logs) / len(logs)):.3f}")
         if plan.get("validation_items"):
             cells.append(f"{100 * row['validation_accuracy']:.1f}")
-        baseline = row["method"] == "baseline"
+        measured = row["method"] != "baseline"
         if plan.get("task_items"):
-            cells.append(tasks_cell(row, plan["baseline"], not baseline))
+            cells.append(tasks_cell(row, plan["baseline"], measured))
         if plan.get("fidelity_text"):
-            cells.append("0 (100%)" if baseline else f"{row['kl']:.4f} ({100 * row['top1_agreement']:.1f}%)")
+            cells.append(fidelity_cell(row, measured))
         if row["method"] == plan["pick"]["method"]:
             cells[0] = f"**{cells[0]}**"
         lines.append("| " + " | ".join(cells) + " |")
@@ -448,10 +449,10 @@ HELD_OUT_KINDS = {"eval.txt": "prose", "docs.txt": "docs", "code.txt": "code", "
 def render_headline(data: dict) -> str:
     """The README's table for a model: the default plan's baseline, the papers' rows and the pick, on every
     held-out text, the papers' tasks and the fidelity, with the prefill speedup."""
-    from layerdrop.api.reports import tasks_cell
+    from layerdrop.api.reports import fidelity_cell, tasks_cell
 
     plan = data["results"]["default"]
-    texts = [plan["eval_text"]["file"], *(t["file"] for t in plan.get("also_eval_texts", []))]
+    texts = held_out_files(plan)
     head = [f"method (budget {plan['budget']}, KV kept {plan['kv_fraction_kept']:.3f})",
             *(f"held-out ppl ({HELD_OUT_KINDS.get(t, t)})" for t in texts)]
     if plan.get("accuracy_items"):
@@ -465,15 +466,15 @@ def render_headline(data: dict) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     rows = [m for m in plan["methods"] if m.get("paper") or m["method"] == plan["pick"]["method"]]
     for row in [{"method": "baseline", "speedup": 1.0, **plan["baseline"]}, *rows]:
-        baseline = row["method"] == "baseline"
+        measured = row["method"] != "baseline"
         also = row.get("also_eval_ppl", {})
         cells = [row["method"], *(f"{row['eval_ppl'] if t == texts[0] else also[t]:.2f}" for t in texts)]
         if plan.get("accuracy_items"):
             cells.append(f"{100 * row['accuracy']:.1f}")
         if plan.get("task_items"):
-            cells.append(tasks_cell(row, plan["baseline"], not baseline))
+            cells.append(tasks_cell(row, plan["baseline"], measured))
         if plan.get("fidelity_text"):
-            cells.append("0 (100%)" if baseline else f"{row['kl']:.4f} ({100 * row['top1_agreement']:.1f}%)")
+            cells.append(fidelity_cell(row, measured))
         cells.append("-" if row.get("speedup") is None else f"{row['speedup']:.2f}x")
         if row["method"] == plan["pick"]["method"]:
             cells = [f"**{c}**" for c in cells]
@@ -481,16 +482,13 @@ def render_headline(data: dict) -> str:
     return "\n".join(lines)
 
 
-def render_speedup(data: dict) -> str:
-    plan = data["results"]["speedup"]
-    return "\n\n".join([f"Speedup plan ({plan['budget']}, calibrated on the mixed text):", render_plan(plan),
-                        *render_tasks(plan)])
-
-
-def render_blocks(data: dict) -> str:
-    plan = data["results"]["blocks"]
-    return "\n\n".join([f"Block plan ({plan['budget']}, calibrated on the mixed text):", render_plan(plan),
-                        *render_tasks(plan)])
+def render_one_plan(key: str, what: str):
+    """The renderer of a section that holds one plan under `key`: its table and its per-task table."""
+    def render_section(data: dict) -> str:
+        plan = data["results"][key]
+        return "\n\n".join([f"{what} ({plan['budget']}, calibrated on the mixed text):", render_plan(plan),
+                            *render_tasks(plan)])
+    return render_section
 
 
 def render_tasks(plan: dict) -> list[str]:
@@ -593,9 +591,8 @@ def render_goals(reports: dict) -> str:
     return "\n".join(lines)
 
 
-RENDER = {"pipeline": render_pipeline, "planner": render_planner, "blocks": render_blocks, "speedup": render_speedup,
-          "criteria": render_criteria,
-          "deploy": render_deploy}
+RENDER = {"pipeline": render_pipeline, "planner": render_planner, "blocks": render_one_plan("blocks", "Block plan"),
+          "speedup": render_one_plan("speedup", "Speedup plan"), "criteria": render_criteria, "deploy": render_deploy}
 TITLES = {"pipeline": "The pipeline, HARP and the planner at the same count",
           "planner": "The planner at a quarter of the attention layers",
           "blocks": "Block moves at a quarter of the blocks: ShortGPT and ReplaceMe",
