@@ -286,11 +286,13 @@ def render_criteria_table(plan: dict) -> str:
 
 
 def render_criteria(data: dict) -> str:
+    from layerdrop.api.reports import validation_count, validation_items_text
+
     plan = data["results"]["prose"]
     kinds = ", ".join(plan.get("validation_texts", {})) or "none"
     return "\n\n".join([
         f"Calibrated on prose alone ({plan['budget']}; scores on the mix); validation kinds: {kinds}; validation task "
-        f"items: {3 * plan.get('validation_items', 0)} (ARC-Easy, ARC-Challenge, OpenBookQA validation). Held out: "
+        f"items: {validation_count(plan)}, {validation_items_text(plan)}. Held out: "
         f"{plan['eval_text'].get('samples')} windows of {plan['eval_text'].get('seq_len')} tokens of each text; "
         f"accuracy: {plan.get('accuracy_items', 0)} multiple-choice next-token items built from "
         f"{plan['eval_text']['file']}. Each criterion's pick, and the paper row that did best on the held-out texts "
@@ -389,7 +391,7 @@ def render_pipeline(data: dict) -> str:
 
 
 def render_plan(plan: dict) -> str:
-    from layerdrop.api.reports import fidelity_cell, tasks_cell
+    from layerdrop.api.reports import fidelity_cell, tasks_cell, validation_count
 
     texts = held_out_files(plan)
     head = ["method", "KV kept", f"prefill speedup at {plan['speedup_tokens']} tokens",
@@ -401,7 +403,7 @@ def render_plan(plan: dict) -> str:
     if kinds:
         head.append(f"validation ppl / baseline's (geometric mean, {len(kinds)} kinds)")
     if plan.get("validation_items"):
-        head.append(f"validation tasks, {3 * plan['validation_items']} items, %")
+        head.append(f"validation tasks, {validation_count(plan)} items, %")
     if plan.get("task_items"):
         head.append(f"papers' tasks, {plan['task_items']} items each: average % (retained, chance-adjusted)")
     if plan.get("fidelity_text"):

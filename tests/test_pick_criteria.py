@@ -90,7 +90,7 @@ def test_the_tasks_criterion_needs_task_items(rows):
 
 
 @pytest.mark.parametrize("args", [["--pick", "lowest-loss"], ["--validation-items", "-1"],
-                                  ["--budget", "attn=99"]])
+                                  ["--budget", "attn=99"], ["--task-items", "1800", "--validation-items", "50"]])
 def test_a_bad_pick_criterion_count_or_unmeetable_budget_is_one_line_and_writes_nothing(exported, tmp_path, capsys,
                                                                                         args):
     budget = [] if "--budget" in args else ["--budget", "attn=2"]
@@ -119,3 +119,32 @@ def test_the_guard_lets_a_row_trail_a_paper_row_on_the_task_items_by_noise_only(
         kept = differences.mean() >= -2 * error
         assert kept == (flips == 2)
         assert choose_pick(rows, BASELINE, "guarded")[0] is (chosen if kept else best_paper)
+
+
+def test_the_guard_judges_each_validation_task_apart_and_takes_the_best_row_that_passes():
+    """A row that loses one validation task by more than two paired standard errors fails the guard even when it
+    wins another task by as much (pooled, the items would tie); the guard then takes the next row by the validation
+    measure that passes, before the best paper row (numpy over the items)."""
+    rng = np.random.default_rng(1)
+    paper_items = {task: (rng.random(150) < 0.5).astype(int) for task in ("arc_easy", "lambada_openai")}
+    paper = row("paper 1: one-shot drop", (26.0, 39.0, 6.5), paper=True)
+    first = row("planner: fitted maps", (21.0, 36.0, 6.0))
+    second = row("planner: bypasses", (24.0, 38.0, 6.4))
+    lose, win = paper_items["lambada_openai"].copy(), paper_items["arc_easy"].copy()
+    lose[np.flatnonzero(lose == 1)[:30]] = 0
+    win[np.flatnonzero(win == 0)[:30]] = 1
+    for found, items in ((paper, paper_items), (second, paper_items),
+                         (first, {"arc_easy": win, "lambada_openai": lose})):
+        found.validation_correct = {task: outcomes.tolist() for task, outcomes in items.items()}
+        found.validation_accuracy = float(np.mean(np.concatenate(list(items.values()))))
+    assert first.validation_accuracy == pytest.approx(paper.validation_accuracy)  # pooled: a tie
+    differences = lose - paper_items["lambada_openai"]
+    assert differences.mean() < -2 * differences.std(ddof=1) / np.sqrt(len(differences))
+    rows = [paper, second, first]
+    ranked = sorted(rows, key=lambda r: log_ratios([r]).mean())
+    assert ranked == [first, second, paper]
+    assert choose_pick(rows, BASELINE, "guarded")[0] is second
+    second.validation_ppl["another kind"] = 7.0  # now worse than the paper row on one kind: the paper row
+    assert choose_pick(rows, BASELINE, "guarded")[0] is paper
+    first.validation_correct["lambada_openai"] = paper_items["lambada_openai"].tolist()  # no longer loses
+    assert choose_pick(rows, BASELINE, "guarded")[0] is first

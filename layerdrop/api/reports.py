@@ -189,7 +189,7 @@ def plan_table(result: dict) -> str:
     kinds = list(result.get("validation_texts") or {})
     items = result.get("validation_items") or 0
     validation = ([f"validation ppl / baseline's (geometric mean over {len(kinds)} kinds)"] if kinds else []) + (
-        [f"validation tasks, {3 * items} items, %"] if items else [])
+        [f"validation tasks, {validation_count(result)} items, %"] if items else [])
     task_items = result.get("task_items") or 0
     fidelity = result.get("fidelity_text")
     head = (["KV kept"] + ([f"prefill speedup at {speed} tokens"] if speed else []) + [search, *validation, held_out]
@@ -234,6 +234,26 @@ def plan_table(result: dict) -> str:
             name += " (outside --moves)"
         lines.append(f"| {name} | {_moves_cell(row)} | {cells(row, True)} |")
     return "\n".join(lines)
+
+
+def validation_count(result: dict) -> int:
+    """How many validation task items each row of a plan was measured on."""
+    correct = result["baseline"].get("validation_correct")
+    if isinstance(correct, dict):
+        return sum(len(outcomes) for outcomes in correct.values())
+    return len(correct) if correct else 3 * (result.get("validation_items") or 0)
+
+
+def validation_items_text(result: dict) -> str:
+    """Which validation task items a plan's rows were measured on (plans before the completion tasks' last items
+    joined them: ARC's and OpenBookQA's only)."""
+    from layerdrop.runtime.standard_tasks import describe_validation
+
+    items = result.get("validation_items") or 0
+    if isinstance(result["baseline"].get("validation_correct"), dict):
+        return describe_validation(items)
+    return (f"the first {items} items of each of ARC-Easy, ARC-Challenge and OpenBookQA (their validation splits; "
+            "never the reported test items)")
 
 
 def tasks_average(row: dict) -> tuple[float, float]:
@@ -340,8 +360,7 @@ def plan_summary(result: dict) -> str:
     for kind, source in (result.get("validation_texts") or {}).items():
         lines.append("- " + describe_text(f"validation ({kind})", source))
     if result.get("validation_items"):
-        lines.append(f"- validation tasks: the first {result['validation_items']} items of each of ARC-Easy, "
-                     "ARC-Challenge and OpenBookQA (their validation splits; never the reported test items)")
+        lines.append(f"- validation tasks: {validation_items_text(result)}")
     lines.append("- " + describe_text("held-out", result["eval_text"]))
     lines += ["- " + describe_text("held-out", source) for source in result.get("also_eval_texts", [])]
     if result.get("accuracy_items"):

@@ -279,14 +279,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "requires fit in --moves)")
     p.add_argument("--pick", default="guarded", metavar="CRITERION",
                    help="how the pick is chosen among the rows, on validation evidence no fit or search saw: guarded "
-                   "(default: the validation choice unless the best paper row is as good on every validation kind "
-                   "and task), validation (geometric mean of perplexity ratios over the validation kinds), "
-                   "worst-kind, tasks (validation items of ARC and OpenBookQA), search (the search perplexity)")
+                   "(default: the best row by the validation measure that the best paper row does not beat on a "
+                   "validation kind or task), validation (geometric mean of perplexity ratios over the validation kinds), "
+                   "worst-kind, tasks (the validation task items), search (the search perplexity)")
     p.add_argument("--validation-samples", type=int, default=16, help="windows of each validation kind (the "
                    "calibration text's held-out part, and the bundled mix where it is not the calibration text; 0: "
                    "none)")
-    p.add_argument("--validation-items", type=int, default=50, help="validation items of each of ARC-Easy, "
-                   "ARC-Challenge and OpenBookQA (never the reported test items; 0: none)")
+    p.add_argument("--validation-items", type=int, default=50, help="validation items of each "
+                   "validation task: the first of ARC-Easy's, ARC-Challenge's and OpenBookQA's validation splits, the "
+                   "last of HellaSwag, PIQA and LAMBADA (never the first ones reported; 0: none)")
     p.add_argument("--task-items", type=int, default=0, metavar="N",
                    help="a column of the papers' standard tasks (lm-eval's arc_easy, arc_challenge, hellaswag, piqa, "
                    "winogrande, boolq, openbookqa, lambada_openai; offline, from the task data): the first N items of "

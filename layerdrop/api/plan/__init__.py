@@ -96,14 +96,15 @@ def plan(
     and how many windows and items of each: every choice is made on the search windows (of `texts.search_text`, or
     the search part of `texts.calib`); every row is also measured on `texts.validation_samples` windows of each
     validation kind (the calibration text's held-out part, the bundled mix) and the first
-    `texts.validation_items` validation items of ARC-Easy, ARC-Challenge and OpenBookQA, which no fit, mean or
+    `texts.validation_items` items of each validation task (`runtime.standard_tasks.VALIDATION_TASKS`: the
+    validation splits of ARC and OpenBookQA, the last items of HellaSwag, PIQA and LAMBADA), which no fit, mean or
     search sees; on `texts.eval_text` and each `texts.also_eval` text, which nothing is chosen on; on
     `texts.accuracy_items` multiple-choice items of the held-out text (lm-eval, 0: no column); on the first
     `texts.task_items` items of each of the papers' standard tasks (`runtime.standard_tasks.PAPERS`, lm-eval's
     definitions, offline; 0: no column), which nothing is chosen on either; and with `speedup_runs` > 0 timed at
     `speedup_tokens` tokens. `texts.self_samples` windows the model writes itself join every fit's calibration
     windows.
-    The pick is the row `pick` (`report.CRITERIA`; default: the validation choice, guarded by the best paper row)
+    The pick is the row `pick` (`report.CRITERIA`; default: the best validation choice the best paper row does not beat)
     chooses among those the allowed moves make (under a speedup budget, among those that reach it in the table's
     timing). The written model is float unless `quantize` (or an int4 source without `keep_float`) says
     otherwise.
@@ -126,6 +127,10 @@ def plan(
     if min(texts.validation_samples, texts.validation_items, texts.task_items) < 0:
         raise LayerdropError("--validation-samples, --validation-items and --task-items count windows and items: "
                              "give 0 or more")
+    if texts.task_items:
+        from layerdrop.runtime.standard_tasks import check_validation_overlap
+
+        check_validation_overlap(texts.validation_items, texts.task_items)
     guard_memory("plan", [model_path], memory_limit, copies=2, extra=PREFIX_BYTES + FIDELITY_BYTES,
                  quantizes=quantize is not None, tokens=max(options.batch_size * seq_len,
                             speedup_tokens or (SPEEDUP_TOKENS if budget.startswith("speedup") else seq_len)))

@@ -148,7 +148,8 @@ class Measure:
             row.accuracy, row.accuracy_correct = scores.accuracy, [int(c) for c in scores.correct]
         if items:
             correct = self.validation_tasks(rewritten, session, items)
-            row.validation_accuracy, row.validation_correct = float(np.mean(correct)), correct
+            row.validation_accuracy = float(np.mean([c for outcomes in correct.values() for c in outcomes]))
+            row.validation_correct = correct
         if self.held_out.tasks:
             row.tasks_correct, row.tasks_chance = self.standard_tasks(rewritten, session)
         if timed:
@@ -188,15 +189,15 @@ class Measure:
 
         return choice_scores(self.lm(rewritten, session), self.held_out.items)
 
-    def validation_tasks(self, rewritten: ir.Model, session, items: int) -> list[int]:
-        """Each validation task item's outcome (1 right, 0 wrong; the first `items` of each task in
-        VALIDATION_TASKS, in order), through lm-eval's own task definitions and the `layerdrop` lm-eval model on
-        the row's own session."""
+    def validation_tasks(self, rewritten: ir.Model, session, items: int) -> dict[str, list[int]]:
+        """Each validation task's items' outcomes (1 right, 0 wrong; `items` of each task in VALIDATION_TASKS, in
+        split order), by task, through lm-eval's own task definitions and the `layerdrop` lm-eval model on the
+        row's own session."""
         from layerdrop.runtime.standard_tasks import VALIDATION_TASKS, run_standard_tasks
 
         outcomes = run_standard_tasks(self.lm(rewritten, session), list(VALIDATION_TASKS), limit=items,
                                       tasks=VALIDATION_TASKS)
-        return [int(c) for name in VALIDATION_TASKS for c in outcomes[name].correct]
+        return {name: [int(c) for c in outcomes[name].correct] for name in VALIDATION_TASKS}
 
     def measure_fidelity(self, row: PlanRow, candidate: Candidate, session) -> None:
         """The row's KL divergence from the baseline's next-token distribution and their top-1 agreement on the
