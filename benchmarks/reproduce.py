@@ -66,7 +66,8 @@ def sizes(quick: bool) -> dict:
     return {"samples": 8, "seq_len": 128, "eval_samples": 8, "search_samples": 4, "seq": "256", "runs": 2,
             "decode": 8, "generation": "1,256,8", "speedup_tokens": 256, "task_items": 4,
             "quick": ["--search-samples", "4", "--fit-samples", "8", "--extra", "1", "--accuracy-items", "20",
-                      "--speedup-runs", "1", "--samples", "8", "--eval-samples", "8", "--seq-len", "128"]}
+                      "--validation-items", "10", "--speedup-runs", "1", "--samples", "8", "--eval-samples", "8",
+                      "--seq-len", "128"]}
 
 
 class Runner:

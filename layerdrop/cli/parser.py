@@ -280,12 +280,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pick", default="guarded", metavar="CRITERION",
                    help="how the pick is chosen among the rows, on validation evidence no fit or search saw: guarded "
                    "(default: the best row by the validation measure that the best paper row does not beat on a "
-                   "validation kind or task), validation (geometric mean of perplexity ratios over the validation kinds), "
+                   "validation kind or task), validation (geometric mean of perplexity ratios over the validation "
+                   "kinds), "
                    "worst-kind, tasks (the validation task items), search (the search perplexity)")
     p.add_argument("--validation-samples", type=int, default=16, help="windows of each validation kind (the "
                    "calibration text's held-out part, and the bundled mix where it is not the calibration text; 0: "
                    "none)")
-    p.add_argument("--validation-items", type=int, default=50, help="validation items of each "
+    p.add_argument("--validation-items", type=int, default=150, help="validation items of each "
                    "validation task: the first of ARC-Easy's, ARC-Challenge's and OpenBookQA's validation splits, the "
                    "last of HellaSwag, PIQA and LAMBADA (never the first ones reported; 0: none)")
     p.add_argument("--task-items", type=int, default=0, metavar="N",

@@ -40,7 +40,7 @@ class Texts:
     accuracy_items: int = 200
     self_samples: int = 0  # windows the model writes itself, added to every fit's calibration windows
     validation_samples: int = 16  # windows of each validation kind
-    validation_items: int = 50  # validation items of each task in VALIDATION_TASKS (0: none)
+    validation_items: int = 150  # validation items of each task in VALIDATION_TASKS (0: none)
     task_items: int = 0  # held-out items of each of the papers' standard tasks (0: no column)
 
 
