@@ -564,6 +564,29 @@ def test_the_sizing_confirms_its_count_with_the_tables_runs():
     assert count_for_speedup(value, Noisy(None, None, 64, None, runs=3), scores, ("attn",)) == 4  # no confirming
 
 
+def test_no_row_fits_every_attention_layer_where_attention_cannot_reach_the_block_rows_speed():
+    """Where the block rows are faster than attention alone can be (every attention layer but one, which keeps the
+    cache the past length is read from), the row matched to the block rows' speed is left out with a note, even
+    when the planner's pool would hold every layer."""
+    from layerdrop.api.plan.budget import row_counts
+    from layerdrop.search.selection import PrefillMeter, parse_budget
+
+    class Linear(PrefillMeter):  # a block saves 0.35 of prefill, an attention layer 0.1
+        def speedup(self, blocks=(), attention=(), runs=None):
+            blocks, attention = frozenset(blocks), frozenset(attention)
+            found = 1 / (1 - 0.35 * len(blocks) - 0.1 * len(attention - blocks))
+            self.measured[(blocks, attention)] = found
+            return found
+
+    scores = {layer: float(layer) for layer in range(4)}
+    skipped = []
+    counts = row_counts(parse_budget("speedup=1.4", 4), Linear(None, None, 64, None), scores, scores,
+                        frozenset({"blocks", "fit"}), 1, skipped)
+    assert (counts.attention, counts.blocks) == (3, 1)  # 1.43x by 3 layers, 1.54x by a block: out of their reach
+    assert counts.matched is None
+    assert skipped == ["no row of fitted attention at the block rows' 1.538x: attention alone does not reach it"]
+
+
 def _speedup_plan(exported, tmp_path, monkeypatch, value: float):
     """`plan --budget speedup=VALUE@32 --moves blocks,fit` on the tiny Llama with fixed sizing speedups; returns its
     folder and the report's path."""

@@ -124,8 +124,10 @@ def _matched_count(meter: PrefillMeter, scores: dict[int, float], block_scores: 
         return None
     try:
         found = count_for_speedup(blocks, meter, scores, ("attn",))
-    except LayerdropError:
-        found = len(scores)
+    except LayerdropError:  # not even every attention layer but one, each keeping a cache to read the past from
+        skipped.append(f"no row of fitted attention at the block rows' {blocks:.3f}x: attention alone does not "
+                       "reach it")
+        return None
     if found > counts.attention + extra:
         skipped.append(f"no row of fitted attention at the block rows' {blocks:.3f}x: it takes more layers than the "
                        f"planner's pool of {counts.attention} + {extra} (--extra)")
