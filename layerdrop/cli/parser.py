@@ -279,9 +279,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "requires fit in --moves)")
     p.add_argument("--pick", default="guarded", metavar="CRITERION",
                    help="how the pick is chosen among the rows, on validation evidence no fit or search saw: guarded "
-                   "(default: the best row by the validation measure that the best paper row does not beat on a "
-                   "validation kind or task), validation (geometric mean of perplexity ratios over the validation "
-                   "kinds), "
+                   "(default: the best row by the validation measure that the best paper row by it does not beat on a "
+                   "validation kind, nor the paper row best on the validation tasks on them beyond noise; else that "
+                   "paper row), validation "
+                   "(geometric mean of perplexity ratios over the validation kinds), "
                    "worst-kind, tasks (the validation task items), search (the search perplexity)")
     p.add_argument("--validation-samples", type=int, default=16, help="windows of each validation kind (the "
                    "calibration text's held-out part, and the bundled mix where it is not the calibration text; 0: "

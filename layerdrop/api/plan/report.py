@@ -148,9 +148,9 @@ class PlanResult:
 
 
 CRITERIA = {
-    "guarded": "the row with the lowest validation measure that is no worse than the best paper row (by the same "
-               "measure) on every validation kind and on no validation task worse by more than two paired standard "
-               "errors; else that paper row",
+    "guarded": "the row with the lowest validation measure that is no worse than the best paper row by that measure "
+               "on any validation kind, and trails the paper row best on the validation tasks by no more than two "
+               "paired standard errors on any task or on all their items; else that paper row (best on the tasks)",
     "validation": "the lowest geometric mean, over the validation kinds, of perplexity relative to the baseline",
     "worst-kind": "the lowest worst-kind perplexity relative to the baseline over the validation kinds",
     "tasks": "the highest accuracy on the validation task items (ties: the validation measure)",
@@ -199,30 +199,34 @@ def _by_task(correct: dict[str, list[int]] | list[int]) -> dict[str, list[int]]:
     return correct if isinstance(correct, dict) else {"validation tasks": correct}
 
 
-def _not_worse(row: PlanRow, paper: PlanRow, baseline: PlanRow) -> bool:
-    """Whether `row` is at least as good as `paper` on every validation kind, and on no validation task worse by
-    more than TASK_TOLERANCE paired standard errors of the difference over the same items (a few items' difference
-    is noise; a plan made before the tasks were told apart compares all its items as one; where the outcomes are
-    missing, the accuracies are compared as they are)."""
+def _trails(mine: list[int], theirs: list[int]) -> bool:
+    """Whether outcomes `mine` trail `theirs` (the same items) by more than TASK_TOLERANCE paired standard errors
+    (with fewer than two items, or no spread, by any margin)."""
     from layerdrop.runtime.tasks import paired_difference
 
-    mine, theirs = _ratios(row, baseline), _ratios(paper, baseline)
+    if len(mine) < 2:
+        return sum(mine) < sum(theirs)
+    difference, error = paired_difference(mine, theirs)
+    return difference < -TASK_TOLERANCE * error or (error == 0 and difference < 0)
+
+
+def _not_worse(row: PlanRow, by_measure: PlanRow, by_tasks: PlanRow, baseline: PlanRow) -> bool:
+    """Whether `row` is at least as good as the paper row `by_measure` (the best by the validation measure) on
+    every validation kind, and trails the paper row `by_tasks` (the best on the validation task items) by no more
+    than TASK_TOLERANCE paired standard errors on any validation task nor on all their items together (a few items'
+    difference is noise; a plan made before the tasks were told apart compares all its items as one; where the
+    outcomes are missing, the accuracies are compared as they are)."""
+    mine, theirs = _ratios(row, baseline), _ratios(by_measure, baseline)
     if any(mine[kind] > theirs[kind] for kind in mine):
         return False
-    if row.validation_accuracy is None or paper.validation_accuracy is None:
+    if row.validation_accuracy is None or by_tasks.validation_accuracy is None:
         return True
-    if not (row.validation_correct and paper.validation_correct):
-        return row.validation_accuracy >= paper.validation_accuracy
-    ours, others = _by_task(row.validation_correct), _by_task(paper.validation_correct)
-    for task, outcomes in ours.items():
-        if len(outcomes) < 2:
-            if sum(outcomes) < sum(others[task]):
-                return False
-            continue
-        difference, error = paired_difference(outcomes, others[task])
-        if difference < -TASK_TOLERANCE * error or (error == 0 and difference < 0):
-            return False
-    return True
+    if not (row.validation_correct and by_tasks.validation_correct):
+        return row.validation_accuracy >= by_tasks.validation_accuracy
+    ours, others = _by_task(row.validation_correct), _by_task(by_tasks.validation_correct)
+    pooled = [outcome for task in sorted(ours) for outcome in ours[task]]
+    pooled_others = [outcome for task in sorted(ours) for outcome in others[task]]
+    return not (_trails(pooled, pooled_others) or any(_trails(ours[task], others[task]) for task in ours))
 
 
 def pick_by(rows: list[PlanRow], baseline: PlanRow, criterion: str) -> PlanRow:
@@ -232,7 +236,10 @@ def pick_by(rows: list[PlanRow], baseline: PlanRow, criterion: str) -> PlanRow:
         papers = [row for row in ranked if row.paper]
         if not papers:
             return ranked[0]
-        return next(row for row in ranked if row.paper or _not_worse(row, papers[0], baseline))
+        by_measure = papers[0]
+        has_items = all(row.validation_accuracy is not None for row in papers)
+        by_tasks = min(papers, key=_key("tasks", baseline)) if has_items else by_measure
+        return next((row for row in ranked if _not_worse(row, by_measure, by_tasks, baseline)), by_tasks)
     return min(rows, key=_key(criterion, baseline))
 
 
