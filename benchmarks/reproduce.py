@@ -450,7 +450,8 @@ HELD_OUT_KINDS = {"eval.txt": "prose", "docs.txt": "docs", "code.txt": "code", "
 
 
 def render_headline(data: dict) -> str:
-    """The README's table for a model: the default plan's baseline, the papers' rows and the pick, on every
+    """The README's table for a model: the default plan's baseline, the papers' rows, the pick and the row the
+    validation perplexity alone picks (the planner's own best, where the guard fell back to a paper row), on every
     held-out text, the papers' tasks and the fidelity, with the prefill speedup."""
     from layerdrop.api.reports import fidelity_cell, tasks_cell
 
@@ -467,7 +468,8 @@ def render_headline(data: dict) -> str:
         head.append("KL from the baseline, nats/token (top-1 agreement)")
     head.append(f"prefill speedup at {plan['speedup_tokens']} tokens")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    rows = [m for m in plan["methods"] if m.get("paper") or m["method"] == plan["pick"]["method"]]
+    shown = {plan["pick"]["method"], plan.get("picks", {}).get("validation")}
+    rows = [m for m in plan["methods"] if m.get("paper") or m["method"] in shown]
     for row in [{"method": "baseline", "speedup": 1.0, **plan["baseline"]}, *rows]:
         measured = row["method"] != "baseline"
         also = row.get("also_eval_ppl", {})

@@ -235,10 +235,12 @@ def test_render_only_replaces_the_text_between_the_markers_and_nothing_else(meas
     text = readme.read_text()
     assert text.startswith(head) and text.endswith(tail) and "an old" not in text
     inside = tables(text[len(head):-len(tail)])
-    assert len(inside) == 1  # the default plan's baseline, its papers' rows and its pick
+    assert len(inside) == 1  # the default plan's baseline, its papers' rows, its pick and the validation's pick
     table = inside[0]
     papers = [m for m in plan["methods"] if m.get("paper")]
-    assert len(table) == 2 + len(papers) + all(m["method"] != plan["pick"]["method"] for m in papers)
+    others = {plan["pick"]["method"], plan["picks"]["validation"]} - {m["method"] for m in papers}
+    assert len(table) == 2 + len(papers) + len(others) and all(
+        f"**{m}**" in table or m in table for m in others)
     texts = [plan["eval_text"]["file"], *(t["file"] for t in plan["also_eval_texts"])]
     for method in [{"method": "baseline", **plan["baseline"]}, *papers]:
         label = f"**{method['method']}**" if method["method"] == plan["pick"]["method"] else method["method"]
