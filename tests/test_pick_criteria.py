@@ -27,6 +27,12 @@ def row(method: str, ppl: tuple[float, float, float], accuracy: float | None = N
 BASELINE = row("baseline", tuple(BASE.values()), 0.40, search=20.0)
 
 
+def trails(mine: np.ndarray, theirs: np.ndarray) -> bool:
+    """Whether outcomes `mine` trail `theirs` on the same items by more than two paired standard errors, by numpy."""
+    differences = mine - theirs
+    return differences.mean() < -2 * differences.std(ddof=1) / np.sqrt(len(differences))
+
+
 def log_ratios(rows: list[PlanRow]) -> np.ndarray:
     """[rows, kinds] log(perplexity / the baseline's), by numpy."""
     table = np.array([[r.validation_ppl[k] for k in KINDS] for r in rows])
@@ -117,9 +123,7 @@ def test_the_guard_lets_a_row_trail_a_paper_row_on_the_task_items_by_noise_only(
         mine[np.flatnonzero(paper_correct == 1)[:flips]] = 0
         best_paper.validation_correct, chosen.validation_correct = paper_correct.tolist(), mine.tolist()
         best_paper.validation_accuracy, chosen.validation_accuracy = paper_correct.mean(), mine.mean()
-        differences = mine - paper_correct
-        error = differences.std(ddof=1) / np.sqrt(len(differences))
-        kept = differences.mean() >= -2 * error
+        kept = not trails(mine, paper_correct)
         assert kept == (flips == 2)
         assert choose_pick(rows, BASELINE, "guarded")[0] is (chosen if kept else best_paper)
 
@@ -141,8 +145,7 @@ def test_the_guard_judges_each_validation_task_apart_and_takes_the_best_row_that
         found.validation_correct = {task: outcomes.tolist() for task, outcomes in items.items()}
         found.validation_accuracy = float(np.mean(np.concatenate(list(items.values()))))
     assert first.validation_accuracy == pytest.approx(paper.validation_accuracy)  # pooled: a tie
-    differences = lose - paper_items["lambada_openai"]
-    assert differences.mean() < -2 * differences.std(ddof=1) / np.sqrt(len(differences))
+    assert trails(lose, paper_items["lambada_openai"])
     rows = [paper, second, first]
     ranked = sorted(rows, key=lambda r: log_ratios([r]).mean())
     assert ranked == [first, second, paper]
@@ -171,10 +174,6 @@ def test_the_guard_holds_the_tasks_to_the_paper_row_best_on_them_and_falls_back_
     for found, items in ((by_tasks, strong), (by_measure, weaker), (planner, weaker)):
         found.validation_correct = {task: outcomes.tolist() for task, outcomes in items.items()}
         found.validation_accuracy = float(np.mean(np.concatenate(list(items.values()))))
-
-    def trails(mine: np.ndarray, theirs: np.ndarray) -> bool:
-        differences = mine - theirs
-        return differences.mean() < -2 * differences.std(ddof=1) / np.sqrt(len(differences))
 
     assert not any(trails(weaker[task], strong[task]) for task in tasks)  # each task apart: noise
     assert trails(np.concatenate([weaker[t] for t in tasks]), np.concatenate([strong[t] for t in tasks]))

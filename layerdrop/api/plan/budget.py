@@ -122,14 +122,14 @@ def _matched_count(meter: PrefillMeter, scores: dict[int, float], block_scores: 
     blocks = meter.speedup(lowest_layers(block_scores, counts.blocks), (), runs)
     if blocks <= meter.speedup((), lowest_layers(scores, counts.attention), runs):
         return None
+    none = f"no row of fitted attention at the block rows' {blocks:.3f}x"
     try:
         found = count_for_speedup(blocks, meter, scores, ("attn",))
     except LayerdropError:  # not even every attention layer but one, each keeping a cache to read the past from
-        skipped.append(f"no row of fitted attention at the block rows' {blocks:.3f}x: attention alone does not "
-                       "reach it")
+        skipped.append(f"{none}: attention alone does not reach it")
         return None
     if found > counts.attention + extra:
-        skipped.append(f"no row of fitted attention at the block rows' {blocks:.3f}x: it takes more layers than the "
-                       f"planner's pool of {counts.attention} + {extra} (--extra)")
+        skipped.append(f"{none}: it takes more layers than the planner's pool of {counts.attention} + {extra} "
+                       "(--extra)")
         return None
     return found if found > counts.attention else None

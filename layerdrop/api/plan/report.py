@@ -237,8 +237,7 @@ def pick_by(rows: list[PlanRow], baseline: PlanRow, criterion: str) -> PlanRow:
         if not papers:
             return ranked[0]
         by_measure = papers[0]
-        has_items = all(row.validation_accuracy is not None for row in papers)
-        by_tasks = min(papers, key=_key("tasks", baseline)) if has_items else by_measure
+        by_tasks = min(papers, key=_key("tasks", baseline))  # without task items: by_measure, on the ties
         return next((row for row in ranked if _not_worse(row, by_measure, by_tasks, baseline)), by_tasks)
     return min(rows, key=_key(criterion, baseline))
 
