@@ -5,6 +5,7 @@ checked here against PyTorch's and numpy's own counts."""
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 
@@ -109,7 +110,8 @@ COMMANDS = {
     "drop": (["--attn", "1", "--iterative", "-o", "{out}", *FAST], 1, 1, 1, 0, True),
     "harp": (["--top", "1", "--search", "-o", "{out}", *FAST], 1, 1, 1, 0, True),
     "eval": (["--vs", "{model}", *FAST], 1, 1, 2, 0, False),  # the fidelity runs both models at once
-    "bench": (["{model}", "--seq", str(TOKENS), "--runs", "1", "--decode", "2"], 1, 1, 2, 0, False),
+    # bench holds both models at once where they fit together, else one at a time (below)
+    "bench": (["{model}", "--seq", str(TOKENS), "--runs", "1", "--decode", "2"], 1, 1, 1, 0, False),
     "quantize": (["--block-size", "16", "-o", "{out}"], 0, memory.QUANTIZE_COPIES, 1, 0, True),
     "fuse": (["-o", "{out}"], 0, 0, 1, 0, True),
     "plan": (["--budget", "attn=1", "--moves", "drop", "--accuracy-items", "0", "--speedup-runs", "0",
@@ -152,6 +154,46 @@ def test_a_command_within_the_default_memory_limit_runs(exported, command, capsy
     code = main(_argv(command, model, tmp_path / "out"))
     assert code == 0, capsys.readouterr().err
     assert (tmp_path / "out" / "model.onnx").is_file() == COMMANDS[command][5]
+
+
+def test_a_bench_whose_two_sessions_do_not_fit_together_times_one_model_at_a_time(exported, capsys, tmp_path,
+                                                                                  monkeypatch):
+    """Between the estimate of one session and that of two, bench runs, says so in one note, and never holds two
+    sessions at once; at the estimate of two it holds both (alternating runs) and says nothing."""
+    import gc
+    import weakref
+
+    from layerdrop.runtime import session as session_module
+
+    model = exported("llama", True)
+    live: list[weakref.ref] = []
+    most = [0]
+    make = session_module.make_session
+
+    def counted(*args, **kwargs):
+        gc.collect()
+        held = [ref for ref in live if ref() is not None]
+        made = make(*args, **kwargs)
+        live[:] = held + [weakref.ref(made)]
+        most[0] = max(most[0], len(live))
+        return made
+
+    monkeypatch.setattr(session_module, "make_session", counted)
+    one, both = _estimate("bench", model), _estimate("bench", model) + _estimate("bench", model) - memory.SESSION_MARGIN
+    for limit, held, noted in ((one, 1, True), (both, 2, False)):
+        live.clear()
+        most[0] = 0
+        capsys.readouterr()
+        code = main([*_argv("bench", model, tmp_path / "out"), "--json", str(tmp_path / "bench.json"),
+                     "--memory-limit", str(limit)])
+        err = capsys.readouterr().err
+        assert code == 0, err
+        assert most[0] == held
+        assert ("one model at a time" in err) == noted, err
+        result = json.loads((tmp_path / "bench.json").read_text())
+        assert ("one_at_a_time" in result) == noted
+        assert all(entry["base"]["median_ms"] > 0 and entry["pruned"]["median_ms"] > 0 for entry in result["prefill"])
+        assert result["decode_tokens_per_s"]["base"] > 0 and result["decode_tokens_per_s"]["pruned"] > 0
 
 
 def test_where_a_float16_export_fits_a_refused_command_names_it_and_on_it_the_command_runs(hf_folder, exported,

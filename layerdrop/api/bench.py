@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from layerdrop import model_folder
-from layerdrop.api.common import guard_memory
+from layerdrop import memory, model_folder
+from layerdrop.api.common import guard_memory, memory_estimate
 from layerdrop.errors import LayerdropError
 from layerdrop.formats import FUSIONS_KEY
 from layerdrop.passes.metadata import kv_bytes_per_token, removed_modules
@@ -20,9 +20,13 @@ def bench(base: Path, pruned: Path, *, seqs: tuple[int, ...] | None = None, runs
     folders (see `runtime.bench.compare`), run as `options` says (`options.batch_size` sequences a prefill); default
     lengths 256,1024 on CPU and 512..4096 on CUDA. `generation`
     (batch, context, new tokens) adds the peak memory of generating with a cache that large. `reference` (a third
-    folder, e.g. onnxruntime-genai's builder graph of the same model) is timed in the same alternating runs, so the
-    memory guard (`guard_memory`, `memory_limit`) counts a session on every folder at once, plus, for `generation`,
-    the base's KV cache of that size twice (the cache and the step's copy of it).
+    folder, e.g. onnxruntime-genai's builder graph of the same model) is timed in the same alternating runs.
+
+    The memory guard (`guard_memory`, `memory_limit`) counts a session on every folder at once, plus, for
+    `generation`, the base's KV cache of that size twice (the cache and the step's copy of it). Where that is over
+    the limit but each folder's session alone fits, the models are timed one at a time instead of in alternating
+    runs (`result["one_at_a_time"]` says why; timings then spread more with the machine's load), so a model whose
+    two sessions do not fit together can still be measured; where one alone does not fit either, it is refused.
 
     Raises:
         LayerdropError: either folder is not a readable model, the generation run is longer than its context, or
@@ -40,10 +44,18 @@ def bench(base: Path, pruned: Path, *, seqs: tuple[int, ...] | None = None, runs
                                  "one (layerdrop export without --no-kv-cache)")
     cache = 2 * generation[0] * (generation[1] + generation[2]) * kv_bytes_per_token(graphs[0]) if generation else 0
     seqs = seqs or ((512, 1024, 2048, 4096) if options.provider == "cuda" else (256, 1024))
-    guard_memory("bench", folders, memory_limit, tokens=options.batch_size * max(seqs), extra=cache)
+    tokens = options.batch_size * max(seqs)
+    together, _ = memory_estimate(folders, tokens=tokens, extra=cache)
+    limit = memory.memory_limit(memory_limit)
+    if together > limit:
+        for folder in folders:  # refused unless each fits alone
+            guard_memory("bench", [folder], memory_limit, tokens=tokens, extra=cache)
     fused = any(FUSIONS_KEY in graph.metadata_props for graph in graphs[:2])
     result = compare(base, pruned, seqs=seqs, runs=runs, decode_tokens=decode_tokens, options=options,
-                     generation=generation, reference=reference, ideal=not fused)
+                     generation=generation, reference=reference, ideal=not fused, together=together <= limit)
+    if together > limit:
+        result["one_at_a_time"] = (f"timed one model at a time: {len(folders)} sessions at once would need about "
+                                   f"{memory.gigabytes(together)}, over the limit of {memory.gigabytes(limit)}")
     result["kv_bytes_per_token"] = {name: kv_bytes_per_token(graph)
                                     for name, graph in zip(("base", "pruned", "reference"), graphs)}
     if fused:

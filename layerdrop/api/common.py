@@ -26,18 +26,16 @@ DEFAULT_SAMPLES = 64
 DEFAULT_SEQ_LEN = 256
 
 
-def guard_memory(command: str, folders: Sequence[Path | str], memory_limit: int | None, *, copies: int = 1,
-                 tokens: int = 0, extra: int = 0, quantizes: bool = False) -> None:
-    """Refuse `command` before it starts when its estimated peak memory is over the limit (`memory_limit` in bytes;
-    None: $LAYERDROP_MEMORY_LIMIT, else 16 GB). The estimate is `memory.session_peak` of `copies` copies of the
-    weights of all `folders` held at once (one per ONNX Runtime session; 0 for a command that streams them; with
-    `quantizes`, at least the int4 quantizer's `memory.QUANTIZE_COPIES`), each session's activations after a run of
-    `tokens` tokens (batch x sequence; `memory.activation_peak`), and `extra` bytes of cached state. The weights'
-    bytes come from the graphs' initializer shapes and types, without reading them. The refusal names what would
-    fit: a float16 export, else onnxruntime-genai's model builder int4 graph.
+def memory_estimate(folders: Sequence[Path | str], *, copies: int = 1, tokens: int = 0, extra: int = 0,
+                    quantizes: bool = False) -> tuple[int, dict[str, int]]:
+    """The estimated peak memory of holding `copies` copies of the weights of all `folders` at once (one per ONNX
+    Runtime session; 0 for a command that streams them; with `quantizes`, at least the int4 quantizer's
+    `memory.QUANTIZE_COPIES`), each session's activations after a run of `tokens` tokens (batch x sequence;
+    `memory.activation_peak`), and `extra` bytes of cached state; with the weights' bytes by element type, read from
+    the graphs' initializer shapes and types without reading the weights.
 
     Raises:
-        LayerdropError: a folder without a readable model, or an estimate over the limit.
+        LayerdropError: a folder without a readable model.
     """
     weights: dict[str, int] = {}
     for path in folders:
@@ -45,13 +43,27 @@ def guard_memory(command: str, folders: Sequence[Path | str], memory_limit: int 
         for kind, size in memory.onnx_weight_bytes(model).items():
             weights[kind] = weights.get(kind, 0) + size
         extra += copies * memory.activation_peak(tokens, vocabulary(model, path))
-    limit = memory.memory_limit(memory_limit)
     copies = max(copies, memory.QUANTIZE_COPIES) if quantizes else copies
-    total = sum(weights.values())
-    estimate = memory.session_peak(total, copies) + extra
+    return memory.session_peak(sum(weights.values()), copies) + extra, weights
+
+
+def guard_memory(command: str, folders: Sequence[Path | str], memory_limit: int | None, *, copies: int = 1,
+                 tokens: int = 0, extra: int = 0, quantizes: bool = False) -> None:
+    """Refuse `command` before it starts when its estimated peak memory (`memory_estimate` of the same arguments) is
+    over the limit (`memory_limit` in bytes; None: $LAYERDROP_MEMORY_LIMIT, else 16 GB). The refusal names what
+    would fit: a float16 export, else onnxruntime-genai's model builder int4 graph.
+
+    Raises:
+        LayerdropError: a folder without a readable model, or an estimate over the limit.
+    """
+    estimate, weights = memory_estimate(folders, copies=copies, tokens=tokens, extra=extra, quantizes=quantizes)
+    limit = memory.memory_limit(memory_limit)
     if estimate <= limit:
         return
-    halved = memory.session_peak(total - weights.get("FLOAT", 0) // 2, copies) + extra
+    copies = max(copies, memory.QUANTIZE_COPIES) if quantizes else copies
+    total = sum(weights.values())
+    halved = estimate - memory.session_peak(total, copies) + memory.session_peak(
+        total - weights.get("FLOAT", 0) // 2, copies)
     floats = sum(weights.get(kind, 0) for kind in ("FLOAT", "FLOAT16", "BFLOAT16"))
     if weights.get("FLOAT") and halved <= limit:
         fits = ("its float16 export (layerdrop export MODEL -o OUT --dtype float16) would need about "

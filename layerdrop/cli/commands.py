@@ -195,6 +195,8 @@ def cmd_bench(args) -> int:
     result = api.bench(args.base, args.pruned, seqs=args.seq, runs=args.runs, decode_tokens=args.decode,
                        options=_options(args, args.batch), generation=args.generation_memory,
                        reference=args.reference, memory_limit=args.memory_limit)
+    if "one_at_a_time" in result:
+        print(f"layerdrop: note: {result['one_at_a_time']}", file=sys.stderr)
     print(side_by_side(result, "pruned"))
     if args.json:
         api.write_json(result, args.json)

@@ -280,7 +280,7 @@ def peak_memory(folder: Path, seq: int, *, options: RunOptions = RunOptions()) -
 
 def compare(base: Path, pruned: Path, *, seqs: tuple[int, ...] = (256, 1024), runs: int = 5, decode_tokens: int = 32,
             options: RunOptions = RunOptions(), generation: tuple[int, int, int] | None = None,
-            reference: Path | None = None, ideal: bool = True) -> dict:
+            reference: Path | None = None, ideal: bool = True, together: bool = True) -> dict:
     """Measure two model folders side by side (see module docstring); every ratio comes from these runs, the
     prefills with `options.batch_size` sequences a run.
 
@@ -289,6 +289,8 @@ def compare(base: Path, pruned: Path, *, seqs: tuple[int, ...] = (256, 1024), ru
     `generation` (batch, context, new tokens) adds the peak memory of generating with that large a cache.
     `reference` (another graph of the same model, e.g. onnxruntime-genai's builder graph) is timed in the same
     alternating runs, so `vs_reference` (its time over the pruned model's) is measured under the same conditions.
+    With `together=False` each model is timed alone, its session released before the next is made (for models
+    whose sessions do not fit in memory together; the runs no longer alternate).
     """
     import platform
 
@@ -297,8 +299,13 @@ def compare(base: Path, pruned: Path, *, seqs: tuple[int, ...] = (256, 1024), ru
     del probe
     folders = [base, pruned] + ([reference] if reference is not None else [])
     prefill = []
+    def each(measure, **kwargs) -> list:
+        if together:
+            return measure(folders, **kwargs)
+        return [measure([folder], **kwargs)[0] for folder in folders]
+
     for seq in seqs:
-        times = prefill_latency(folders, seq, runs=runs, options=used)
+        times = each(prefill_latency, seq=seq, runs=runs, options=used)
         entry = {"seq": seq, "batch": used.batch_size, "base": times[0], "pruned": times[1],
                  "speedup": times[0]["median_ms"] / times[1]["median_ms"], "ideal": None, "removed_share": None}
         if ideal:
@@ -313,8 +320,8 @@ def compare(base: Path, pruned: Path, *, seqs: tuple[int, ...] = (256, 1024), ru
         "machine": machine,
         "provider": used.provider,
         "prefill": prefill,
-        "decode_tokens_per_s": dict(zip(names, decode_tokens_per_second(
-            folders, new_tokens=decode_tokens, options=used))),
+        "decode_tokens_per_s": dict(zip(names, each(decode_tokens_per_second, new_tokens=decode_tokens,
+                                                     options=used))),
         "model_bytes": {name: model_bytes(folder) for name, folder in zip(names, folders)},
         "peak_memory_bytes": {name: peak_memory(folder, max(seqs), options=used)
                               for name, folder in (("base", base), ("pruned", pruned))},
