@@ -411,8 +411,6 @@ def render_plan(plan: dict) -> str:
         head.append(f"KL from the baseline, nats/token (top-1 agreement), {plan['fidelity_text']['tokens']} tokens")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in [{"method": "baseline", "kv_kept": 1.0, "speedup": 1.0, **plan["baseline"]}, *plan["methods"]]:
-        if row.get("replaced_into"):
-            continue
         also = row.get("also_eval_ppl", {})
         cells = [row["method"], f"{row['kv_kept']:.3f}",
                  "-" if row.get("speedup") is None else f"{row['speedup']:.2f}x", f"{row['search_ppl']:.2f}",
@@ -510,7 +508,7 @@ def render_tasks(plan: dict) -> list[str]:
     lines.append("| chance | " + " | ".join(f"{100 * chance[t]:.1f}" for t in tasks)
                  + f" | {100 * sum(chance.values()) / len(chance):.1f} |")
     for row in [{"method": "baseline", **plan["baseline"]}, *plan["methods"]]:
-        if row.get("replaced_into") or not row.get("tasks_correct"):
+        if not row.get("tasks_correct"):
             continue
         scores = [100 * sum(row["tasks_correct"][t]) / len(row["tasks_correct"][t]) for t in tasks]
         lines.append(f"| {row['method']} | " + " | ".join(f"{v:.1f}" for v in scores)
