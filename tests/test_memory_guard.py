@@ -116,8 +116,8 @@ COMMANDS = {
     "fuse": (["-o", "{out}"], 0, 0, 1, 0, True),
     "plan": (["--budget", "attn=1", "--moves", "drop", "--accuracy-items", "0", "--speedup-runs", "0",
               "--validation-samples", "0", "--validation-items", "0",
-              "--search-samples", "2", "--eval-samples", "2", "--fit-samples", "2", "-o", "{out}", *FAST], 2, 2, 1,
-             "prefix", True),
+              "--search-samples", "2", "--eval-samples", "2", "--fit-samples", "2", "-o", "{out}", *FAST], 1, 1, 1,
+             "prefix", True),  # two sessions at once where they fit, else one at a time (below)
 }
 
 
@@ -156,44 +156,89 @@ def test_a_command_within_the_default_memory_limit_runs(exported, command, capsy
     assert (tmp_path / "out" / "model.onnx").is_file() == COMMANDS[command][5]
 
 
+class _Sessions:
+    """The most ONNX Runtime sessions on (nearly) the whole model alive at once while a command runs: every session
+    made (`runtime.session.make_session`) is tracked until it is garbage; graphs of under half the model's nodes
+    (a branch, a piece of the model) do not count."""
+
+    def __init__(self, monkeypatch, model_dir):
+        import gc
+        import weakref
+
+        import onnx
+
+        from layerdrop.runtime import session as session_module
+
+        whole = len(onnx.load(str(model_dir / "model.onnx"), load_external_data=False).graph.node)
+        self.live: list = []
+        self.most = 0
+        make = session_module.make_session
+
+        def counted(model, *args, **kwargs):
+            gc.collect()
+            nodes = (sum(1 for _ in model.graph.all_nodes()) if hasattr(model, "graph")
+                     else len(onnx.load(str(model), load_external_data=False).graph.node))
+            made = make(model, *args, **kwargs)
+            if nodes >= whole // 2:
+                self.live = [ref for ref in self.live if ref() is not None] + [weakref.ref(made)]
+                self.most = max(self.most, len(self.live))
+            return made
+
+        monkeypatch.setattr(session_module, "make_session", counted)
+
+    def reset(self) -> None:
+        self.live, self.most = [], 0
+
+
 def test_a_bench_whose_two_sessions_do_not_fit_together_times_one_model_at_a_time(exported, capsys, tmp_path,
                                                                                   monkeypatch):
     """Between the estimate of one session and that of two, bench runs, says so in one note, and never holds two
     sessions at once; at the estimate of two it holds both (alternating runs) and says nothing."""
-    import gc
-    import weakref
-
-    from layerdrop.runtime import session as session_module
-
     model = exported("llama", True)
-    live: list[weakref.ref] = []
-    most = [0]
-    make = session_module.make_session
-
-    def counted(*args, **kwargs):
-        gc.collect()
-        held = [ref for ref in live if ref() is not None]
-        made = make(*args, **kwargs)
-        live[:] = held + [weakref.ref(made)]
-        most[0] = max(most[0], len(live))
-        return made
-
-    monkeypatch.setattr(session_module, "make_session", counted)
+    sessions = _Sessions(monkeypatch, model)
     one, both = _estimate("bench", model), _estimate("bench", model) + _estimate("bench", model) - memory.SESSION_MARGIN
     for limit, held, noted in ((one, 1, True), (both, 2, False)):
-        live.clear()
-        most[0] = 0
+        sessions.reset()
         capsys.readouterr()
         code = main([*_argv("bench", model, tmp_path / "out"), "--json", str(tmp_path / "bench.json"),
                      "--memory-limit", str(limit)])
         err = capsys.readouterr().err
         assert code == 0, err
-        assert most[0] == held
+        assert sessions.most == held
         assert ("one model at a time" in err) == noted, err
         result = json.loads((tmp_path / "bench.json").read_text())
         assert ("one_at_a_time" in result) == noted
         assert all(entry["base"]["median_ms"] > 0 and entry["pruned"]["median_ms"] > 0 for entry in result["prefill"])
         assert result["decode_tokens_per_s"]["base"] > 0 and result["decode_tokens_per_s"]["pruned"] > 0
+
+
+@pytest.mark.parametrize("budget", ["attn=1", "speedup=1.01@16"])
+def test_a_plan_whose_base_and_row_sessions_do_not_fit_together_builds_one_at_a_time(exported, capsys, tmp_path,
+                                                                                    monkeypatch, budget):
+    """Between the estimate of one session and that of two, a plan whose rows are timed runs with one session on
+    the model at a time (the base timed alone first), says so in one note, and still reports every row's speedup;
+    with room for two it holds the base's beside each row's."""
+    from layerdrop.api.plan.measure import FIDELITY_BYTES, PREFIX_BYTES
+
+    model = exported("llama", True)
+    sessions = _Sessions(monkeypatch, model)
+    one = _estimate("plan", model)
+    both = one + _estimate("plan", model) - memory.SESSION_MARGIN - PREFIX_BYTES - FIDELITY_BYTES
+    args = ["plan", str(model), "--budget", budget, "--moves", "drop,bypass" if budget.startswith("attn") else "blocks",
+            "--accuracy-items", "0", "--validation-samples", "0", "--validation-items", "0", "--speedup-runs", "2",
+            "--speedup-tokens", str(TOKENS),
+            "--search-samples", "2", "--eval-samples", "2", "--fit-samples", "2", *FAST]
+    for limit, held, noted in ((one, 1, True), (both, 2, False)):
+        sessions.reset()
+        capsys.readouterr()
+        out = tmp_path / f"out-{held}"
+        code = main([*args, "-o", str(out), "--json", str(tmp_path / "plan.json"), "--memory-limit", str(limit)])
+        err = capsys.readouterr().err
+        assert code == 0, err
+        assert sessions.most == held
+        assert ("one graph at a time" in err) == noted, err
+        rows = json.loads((tmp_path / "plan.json").read_text())["methods"]
+        assert rows and all(row["speedup"] > 0 for row in rows)
 
 
 def test_where_a_float16_export_fits_a_refused_command_names_it_and_on_it_the_command_runs(hf_folder, exported,

@@ -98,6 +98,12 @@ def paired_speedup(base: ort.InferenceSession, other: ort.InferenceSession, seq:
             "base_runs_ms": times[0], "runs_ms": times[1]}
 
 
+def lone_prefill_ms(session: ort.InferenceSession, seq: int, runs: int, warmup: int = 2) -> list[float]:
+    """`runs` prefill times (ms) of one session at `seq` tokens, after `warmup` untimed runs, on the same random ids
+    as `paired_speedup`'s; for graphs timed one at a time."""
+    return _interleaved([_runner(session, prefill_feed(session, _ids(seq, 1, session)))], runs, warmup)[0]
+
+
 def decode_tokens_per_second(folders: list[Path], *, prompt_len: int = 64, new_tokens: int = 32, rounds: int = 3,
                              options: RunOptions = RunOptions(), device_resident: bool | None = None
                              ) -> list[float | None]:

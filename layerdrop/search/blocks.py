@@ -194,6 +194,7 @@ def _fitted(model: ir.Model, folder: Path, start: int, count: int, statistics: t
             session = options.session(graph, folder=folder)
             scores[ridge] = perplexity(session, validation, batch_size=options.batch_size,
                                        feed_extra=lambda rows: {HIDDEN_INPUT: entering[rows]}).perplexity
+            del session  # freed before the next ridge's is built: one session on the model at a time
             trials.append({"ridge": ridge, "perplexity": scores[ridge]})
         chosen = min(scores, key=lambda r: (scores[r], -r))
     return BlockFit(start, count, candidates[chosen], chosen, distances, trials)

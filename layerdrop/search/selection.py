@@ -152,12 +152,17 @@ class PrefillMeter:
     its values do not matter, so zeros) or nothing (0: a drop). ReplaceMe's transform is folded into a kept
     block's MLP, so a fitted run costs what dropping its blocks does. `runs` runs a structure the sizing
     measures, `confirm_runs` (if more) the count it settles on; `bar` (a tqdm bar) counts the measurements; `options`
-    how the sessions run."""
+    how the sessions run.
+
+    Made by `alone` instead (where the base and a rewritten graph do not fit in memory together), the meter times
+    one graph at a time: the base first in a session of its own, released before any other is built, then each
+    structure alone against those base runs (the runs no longer alternate, so they spread more with the machine's
+    load)."""
 
     model: ir.Model
     folder: Path
     seq: int
-    base: Any  # onnxruntime.InferenceSession of `model`
+    base: Any  # onnxruntime.InferenceSession of `model`, or None: one graph at a time
     runs: int = 5
     maps: int = 1
     options: RunOptions = RunOptions()
@@ -166,6 +171,17 @@ class PrefillMeter:
     measured: dict = field(default_factory=dict)  # (blocks, attention) -> speedup, of the sizing's structures
     keys: dict = field(default_factory=dict)  # (blocks, attention) -> structure key
     timings: dict = field(default_factory=dict)  # structure key -> (the baseline's run times, the structure's), ms
+    alone: list = field(default_factory=list)  # without a base session: the base's own run times, ms
+
+    @classmethod
+    def alone(cls, model: ir.Model, folder: Path, seq: int, runs: int, **kwargs) -> PrefillMeter:
+        """A meter that times one graph at a time: the base's `max(runs, confirm_runs)` runs now, in a session of
+        its own released before any other is built (so call it before building a rewritten graph's session)."""
+        from layerdrop.runtime.bench import lone_prefill_ms
+
+        meter = cls(model, folder, seq, None, runs, **kwargs)
+        meter.alone = lone_prefill_ms(meter._session(model), seq, max(runs, meter.confirm_runs))
+        return meter
 
     def speedup(self, blocks: Iterable[int] = (), attention: Iterable[int] = (), runs: int | None = None) -> float:
         """The measured prefill speedup with these blocks removed and these attention layers replaced, from at least
@@ -208,10 +224,13 @@ class PrefillMeter:
                            if (blocks, attention) in self.keys]}
 
     def _timed(self, key: str, runs: int, session) -> float:
-        base_ms, ms = self.timings.setdefault(key, ([], []))
-        if len(ms) < runs:
-            from layerdrop.runtime.bench import paired_speedup
+        from layerdrop.runtime.bench import lone_prefill_ms, paired_speedup
 
+        base_ms, ms = self.timings.setdefault(key, ([], []))
+        if len(ms) < runs and self.base is None:  # against the base's runs timed alone first (`alone`)
+            ms += lone_prefill_ms(session(), self.seq, runs - len(ms))
+            base_ms[:] = self.alone
+        elif len(ms) < runs:
             # a new session is warmed twice; the base twice on its first use, then once
             found = paired_speedup(self.base, session(), self.seq, runs=runs - len(ms),
                                    base_warmup=1 if any(base for base, _ in self.timings.values()) else 2)

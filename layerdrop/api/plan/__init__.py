@@ -15,10 +15,11 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from layerdrop import model_folder
+from layerdrop import memory, model_folder
 from layerdrop.api.common import (
     guard_memory,
     int4_write_back,
+    memory_estimate,
     open_model,
     quantize_pass,
     save_model,
@@ -112,8 +113,9 @@ def plan(
     Every finished measurement is checkpointed in the work folder `.NAME.plan-work` beside `out_dir`
     (`resume.plan_work_area`), removed once the output is written; with `resume`, a rerun loads the checkpoints of
     the same inputs and computes only the rest. A KeyboardInterrupt part way says how to resume. Before anything
-    starts, an estimated peak memory (the base's session and a row's at once, the cached hidden-state prefixes)
-    over `memory_limit` is refused (`guard_memory`).
+    starts, the estimated peak memory (the base's session and a row's at once, the cached hidden-state prefixes) is
+    checked against `memory_limit`: over it, the timings build one session at a time (`PrefillMeter.alone`, with a
+    note), and a plan whose one session does not fit either is refused (`guard_memory`).
 
     Returns:
         The `PlanResult` (its `to_dict()` is plan.json; its `notes` are for the user).
@@ -131,9 +133,11 @@ def plan(
         from layerdrop.runtime.standard_tasks import check_validation_overlap
 
         check_validation_overlap(texts.validation_items, texts.task_items)
-    guard_memory("plan", [model_path], memory_limit, copies=2, extra=PREFIX_BYTES + FIDELITY_BYTES,
-                 quantizes=quantize is not None, tokens=max(options.batch_size * seq_len,
-                            speedup_tokens or (SPEEDUP_TOKENS if budget.startswith("speedup") else seq_len)))
+    sizes = {"extra": PREFIX_BYTES + FIDELITY_BYTES, "quantizes": quantize is not None, "tokens": max(
+        options.batch_size * seq_len, speedup_tokens or (SPEEDUP_TOKENS if budget.startswith("speedup") else seq_len))}
+    together = memory_estimate([model_path], copies=2, **sizes)[0]
+    alone = together > memory.memory_limit(memory_limit)  # then the timings build one session at a time
+    guard_memory("plan", [model_path], memory_limit, copies=1 if alone else 2, **sizes)
     folder, model = open_model(model_path)
     model_folder.reserve_output(Path(out_dir), inputs=[folder.path], force=force)
     store = CheckpointStore.open(plan_work_area(out_dir), resume=resume, force=force)
@@ -147,6 +151,9 @@ def plan(
     fit_previous = "fit" in allowed if fit_previous is None else fit_previous
     started = time.perf_counter()
     notes: list[str] = []  # for the user; those of rows left out also go into the report's `skipped`
+    if alone:
+        notes.append(f"timing one graph at a time: the base's session and a row's at once would need about "
+                     f"{memory.gigabytes(together)}, over the limit of {memory.gigabytes(memory.memory_limit(memory_limit))}")
     windows = plan_windows(folder.path, texts, notes)
     rows = read_scores(model) or saved.cached(
         "scores", (windows.calib.source["sha256"], samples, seq_len, sampling, options.provider),
@@ -157,7 +164,7 @@ def plan(
                     {r["layer"]: r["score"] for r in rows if r["kind"] == "block"}, windows.calib, windows.search,
                     None, options, progress, [], fit_previous)
     phase = _Phases(progress)
-    meter = _sizing_meter(inputs, parsed, allowed, speedup_runs, phase) if parsed.kind == "speedup" else None
+    meter = _sizing_meter(inputs, parsed, allowed, speedup_runs, phase, alone) if parsed.kind == "speedup" else None
     counts = saved.cached("sizing", (parsed, inputs.scores, inputs.block_scores, allowed, extra, options,
                                      speedup_runs, fit_previous),
                           lambda: row_counts(parsed, meter, inputs.scores, inputs.block_scores, allowed, extra,
@@ -174,8 +181,9 @@ def plan(
     phase(f"measuring {len(candidates)} rows on the search and held-out windows"
           + (f", and their prefill time at {tokens} tokens" if speedup_runs else ""))
     if speedup_runs and (meter is None or meter.seq != tokens):  # else the sizing's runs are the rows' too
-        meter = PrefillMeter(model, folder.path, tokens, options.session(model, folder=folder.path), speedup_runs,
-                             options=options)
+        meter = (PrefillMeter.alone(model, folder.path, tokens, speedup_runs, options=options) if alone else
+                 PrefillMeter(model, folder.path, tokens, options.session(model, folder=folder.path), speedup_runs,
+                              options=options))
     result = _measured(inputs, windows, candidates, allowed, len(attention), meter,
                        (tokens, speedup_runs), parsed, counts, saved, pick)
     result.search_seconds = time.perf_counter() - started
@@ -219,19 +227,23 @@ def _unless(value, default):
     return None if value == default else value
 
 
-def _sizing_meter(inputs: Inputs, budget: Budget, allowed: frozenset, speedup_runs: int, phase: _Phases
-                  ) -> PrefillMeter:
-    """The meter a speedup budget's sizing measures prefill with (its runs confirmed with the table's)."""
+def _sizing_meter(inputs: Inputs, budget: Budget, allowed: frozenset, speedup_runs: int, phase: _Phases,
+                  alone: bool) -> PrefillMeter:
+    """The meter a speedup budget's sizing measures prefill with (its runs confirmed with the table's); with
+    `alone`, one that times one graph at a time (`PrefillMeter.alone`)."""
     tokens = budget.tokens or SPEEDUP_TOKENS
     phase.total = 2 + 2 * bool(allowed - {"blocks", "shift"}) + ("blocks" in allowed)  # until the sizing says
     phase(f"sizing the rows: the fewest layers and blocks whose measured prefill at {tokens} tokens reaches "
           f"{budget.value:g}x")
     maps = (1 + inputs.previous) * bool(allowed & {"fit", "bypass"})
+    runs = min(speedup_runs or SIZING_RUNS, SIZING_RUNS)
+    settings = {"confirm_runs": speedup_runs, "maps": maps, "options": inputs.options,
+                "bar": tqdm(desc="sizing rows by measured prefill", unit="graph", disable=not inputs.progress,
+                            leave=False)}
+    if alone:
+        return PrefillMeter.alone(inputs.model, inputs.folder, tokens, runs, **settings)
     base = inputs.options.session(inputs.model, folder=inputs.folder)
-    return PrefillMeter(inputs.model, inputs.folder, tokens, base, min(speedup_runs or SIZING_RUNS, SIZING_RUNS),
-                        confirm_runs=speedup_runs, maps=maps, options=inputs.options,
-                        bar=tqdm(desc="sizing rows by measured prefill", unit="graph", disable=not inputs.progress,
-                                 leave=False))
+    return PrefillMeter(inputs.model, inputs.folder, tokens, base, runs, **settings)
 
 
 def _candidates(inputs: Inputs, attention: list[int], counts: RowCounts, allowed: frozenset, extra: int,
