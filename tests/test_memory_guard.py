@@ -109,7 +109,8 @@ COMMANDS = {
     "score": (["-o", "{out}", *FAST], 1, 1, 1, 0, True),
     "drop": (["--attn", "1", "--iterative", "-o", "{out}", *FAST], 1, 1, 1, 0, True),
     "harp": (["--top", "1", "--search", "-o", "{out}", *FAST], 1, 1, 1, 0, True),
-    "eval": (["--vs", "{model}", *FAST], 1, 1, 2, 0, False),  # the fidelity runs both models at once
+    # eval --vs: the fidelity holds both models at once where they fit together, else one at a time (below)
+    "eval": (["--vs", "{model}", *FAST], 1, 1, 1, 0, False),
     # bench holds both models at once where they fit together, else one at a time (below)
     "bench": (["{model}", "--seq", str(TOKENS), "--runs", "1", "--decode", "2"], 1, 1, 1, 0, False),
     "quantize": (["--block-size", "16", "-o", "{out}"], 0, memory.QUANTIZE_COPIES, 1, 0, True),
@@ -210,6 +211,36 @@ def test_a_bench_whose_two_sessions_do_not_fit_together_times_one_model_at_a_tim
         assert ("one_at_a_time" in result) == noted
         assert all(entry["base"]["median_ms"] > 0 and entry["pruned"]["median_ms"] > 0 for entry in result["prefill"])
         assert result["decode_tokens_per_s"]["base"] > 0 and result["decode_tokens_per_s"]["pruned"] > 0
+
+
+def test_an_eval_vs_whose_two_sessions_do_not_fit_together_measures_the_same_fidelity_one_at_a_time(
+        exported, capsys, tmp_path, monkeypatch):
+    """Between the estimate of one session and that of two, eval --vs holds one session on a model at a time (the
+    base's log-probabilities kept on disk), says so in one note, and finds the KL divergence and top-1 agreement that
+    the two sessions side by side find, to float32 rounding; at the estimate of two it holds both."""
+    import tempfile
+
+    model = exported("llama", True)
+    assert main(["drop", str(model), "--attn", "1", "--iterative", "-o", str(tmp_path / "dropped"), *FAST]) == 0
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # where the base's log-probabilities go
+    sessions = _Sessions(monkeypatch, model)
+    one = _estimate("eval", model)
+    both = one + _estimate("eval", tmp_path / "dropped") - memory.SESSION_MARGIN
+    found = {}
+    for limit, held, noted in ((one, 1, True), (both, 2, False)):
+        sessions.reset()
+        capsys.readouterr()
+        code = main(["eval", str(model), "--vs", str(tmp_path / "dropped"), *FAST, "--json",
+                     str(tmp_path / f"eval-{held}.json"), "--memory-limit", str(limit)])
+        err = capsys.readouterr().err
+        assert code == 0, err
+        assert sessions.most == held
+        assert ("one model at a time" in err) == noted, err
+        found[held] = json.loads((tmp_path / f"eval-{held}.json").read_text())["fidelity"]
+    assert found[1]["kl"] > 0 and found[1]["kl"] == pytest.approx(found[2]["kl"], rel=1e-5)
+    assert found[1]["top1_agreement"] == found[2]["top1_agreement"] and found[1]["tokens"] == found[2]["tokens"]
+    assert not list((tmp_path / "tmp").iterdir())  # nothing left on disk
 
 
 @pytest.mark.parametrize("budget", ["attn=1", "speedup=1.01@16"])

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
-from layerdrop import model_folder
-from layerdrop.api.common import DEFAULT_SEQ_LEN, calibration_sha256, guard_memory, windows_for
+import numpy as np
+
+from layerdrop import memory, model_folder
+from layerdrop.api.common import (
+    DEFAULT_SEQ_LEN,
+    calibration_sha256,
+    guard_memory,
+    memory_estimate,
+    vocabulary,
+    windows_for,
+)
 from layerdrop.errors import LayerdropError
 from layerdrop.passes.token_logprobs import with_token_logprobs
 from layerdrop.runtime.evaluate import perplexity
@@ -149,25 +159,51 @@ def fidelity(
 ) -> dict:
     """KL divergence of `other_path`'s next-token distribution from `base_path`'s and their top-1 agreement, on the
     base's held-out evaluation windows of `text` (default: the bundled evaluation text). Both sessions run side by
-    side, so the memory guard (`guard_memory`, `memory_limit`) counts both.
+    side where the memory guard (`guard_memory`, `memory_limit`) lets both be held at once; else one at a time: the
+    base's log-probabilities go to a file in the temporary folder (float32, windows x tokens x vocabulary; its
+    free disk is checked first), the base's session is released, and the other model is measured against them
+    (`result["one_at_a_time"]` says so). Refused where one session alone is over the limit.
 
     Returns:
-        {"kl", "top1_agreement", "tokens", "text": {...}}
+        {"kl", "top1_agreement", "tokens", "text": {...}}, and "one_at_a_time" where it ran so
 
     Raises:
-        LayerdropError: a bad model folder or text, or memory over the limit.
+        LayerdropError: a bad model folder or text, memory over the limit, or too little disk for the base's
+            log-probabilities.
     """
-    from layerdrop.runtime.fidelity import next_token_fidelity
+    from layerdrop.runtime.fidelity import fidelity_to, log_probs, next_token_fidelity
 
-    guard_memory("eval", [base_path, other_path], memory_limit, tokens=options.batch_size * seq_len)
-
+    tokens = options.batch_size * seq_len
+    together, _ = memory_estimate([base_path, other_path], tokens=tokens)
+    limit = memory.memory_limit(memory_limit)
+    if together > limit:
+        for path in (base_path, other_path):
+            guard_memory("eval", [path], memory_limit, tokens=tokens)
     base_folder, base_model = model_folder.load(base_path)
     other_folder, other_model = model_folder.load(other_path)
     windows = windows_for(base_folder.path, text, role="eval", samples=samples, seq_len=seq_len, sampling=sampling,
                           calibration_sha256=calibration_sha256(base_model))
-    sessions = [options.session(m, folder=f.path) for f, m in ((base_folder, base_model), (other_folder, other_model))]
-    found = next_token_fidelity(*sessions, windows.ids, batch_size=options.batch_size, progress=progress)
-    return {**found.as_dict(), "text": windows.source}
+    if together <= limit:
+        sessions = [options.session(m, folder=f.path)
+                    for f, m in ((base_folder, base_model), (other_folder, other_model))]
+        found = next_token_fidelity(*sessions, windows.ids, batch_size=options.batch_size, progress=progress)
+        return {**found.as_dict(), "text": windows.source}
+    with tempfile.TemporaryDirectory(prefix="layerdrop-fidelity-") as spill:
+        needed = 4 * windows.ids.size * max(vocabulary(base_model, base_folder.path), 1)
+        memory.check_disk(needed, Path(spill), "the base's next-token log-probabilities, kept on disk for the fidelity")
+
+        def on_disk(shape: tuple[int, ...]) -> np.ndarray:
+            return np.lib.format.open_memmap(Path(spill) / "base.npy", mode="w+", dtype=np.float32, shape=shape)
+
+        reference = log_probs(options.session(base_model, folder=base_folder.path), windows.ids,
+                              batch_size=options.batch_size, store=on_disk)
+        found = fidelity_to(reference, options.session(other_model, folder=other_folder.path), windows.ids,
+                            batch_size=options.batch_size)
+        del reference
+    return {**found.as_dict(), "text": windows.source,
+            "one_at_a_time": f"fidelity measured one model at a time (the base's log-probabilities on disk): both "
+                             f"sessions at once would need about {memory.gigabytes(together)}, over the limit of "
+                             f"{memory.gigabytes(limit)}"}
 
 
 def standard_tasks(

@@ -99,6 +99,12 @@ def cmd_harp(args) -> int:
     return 0
 
 
+def _note_one_at_a_time(result: dict) -> None:
+    """The note of a measurement that held one model's session at a time for want of memory, if it did."""
+    if "one_at_a_time" in result:
+        print(f"layerdrop: note: {result['one_at_a_time']}", file=sys.stderr)
+
+
 def cmd_eval(args) -> int:
     folders = [args.model] + ([args.vs] if args.vs else [])
     tokens = 0 if args.tasks else (args.batch or 1) * args.seq_len  # a task's prompt lengths are its own
@@ -106,8 +112,6 @@ def cmd_eval(args) -> int:
         api.guard_memory("eval", [folder], args.memory_limit, tokens=tokens)
     if args.tasks:
         return _eval_tasks(args)
-    if args.vs:  # the fidelity runs both models side by side
-        api.guard_memory("eval", folders, args.memory_limit, tokens=tokens)
     results = [api.evaluate(f, text=args.text, samples=args.samples, seq_len=args.seq_len, sampling=sampling(args),
                             options=_options(args, args.batch or 1), progress=_progress(args),
                             memory_limit=args.memory_limit)
@@ -124,6 +128,7 @@ def cmd_eval(args) -> int:
         report["fidelity"] = fidelity(args.model, args.vs, text=args.text, samples=args.samples,
                                       seq_len=args.seq_len, sampling=sampling(args), options=_options(args),
                                       progress=_progress(args), memory_limit=args.memory_limit)
+        _note_one_at_a_time(report["fidelity"])
         print(fidelity_line(report["fidelity"]))
     if args.prompt:
         report["generations"] = []
@@ -174,14 +179,15 @@ def _eval_standard_tasks(args, tasks: list[str], folders: list) -> int:
     from layerdrop.api.evaluate import fidelity, standard_tasks
     from layerdrop.cli.tables import standard_tasks_table
 
-    if args.vs:  # the fidelity runs both models side by side: checked before the tasks start
-        api.guard_memory("eval", folders, args.memory_limit, tokens=args.seq_len)
+    for folder in folders:  # the fidelity's sessions, one at a time where both do not fit: checked before the tasks
+        api.guard_memory("eval", [folder], args.memory_limit, tokens=args.seq_len)
     report = standard_tasks(folders, tasks, limit=args.limit, options=_options(args, args.batch or 8),
                             progress=_progress(args), memory_limit=args.memory_limit)
     if args.vs:
         report["fidelity"] = fidelity(args.model, args.vs, text=args.text, samples=args.samples,
                                       seq_len=args.seq_len, sampling=sampling(args), options=_options(args),
                                       progress=_progress(args), memory_limit=args.memory_limit)
+        _note_one_at_a_time(report["fidelity"])
     print(standard_tasks_table(report))
     if args.json:
         api.write_json(report, args.json)
@@ -195,8 +201,7 @@ def cmd_bench(args) -> int:
     result = api.bench(args.base, args.pruned, seqs=args.seq, runs=args.runs, decode_tokens=args.decode,
                        options=_options(args, args.batch), generation=args.generation_memory,
                        reference=args.reference, memory_limit=args.memory_limit)
-    if "one_at_a_time" in result:
-        print(f"layerdrop: note: {result['one_at_a_time']}", file=sys.stderr)
+    _note_one_at_a_time(result)
     print(side_by_side(result, "pruned"))
     if args.json:
         api.write_json(result, args.json)

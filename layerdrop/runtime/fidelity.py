@@ -3,6 +3,7 @@ original's and how often the two agree on the most likely next token, on the sam
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,14 +60,23 @@ def next_token_fidelity(base: ort.InferenceSession, other: ort.InferenceSession,
     return Fidelity(total / count, agree / count, count)
 
 
-def log_probs(session: ort.InferenceSession, windows: np.ndarray, *, batch_size: int = 1) -> np.ndarray:
+def log_probs(session: ort.InferenceSession, windows: np.ndarray, *, batch_size: int = 1,
+              store: Callable[[tuple[int, ...]], np.ndarray] | None = None) -> np.ndarray:
     """The next-token log-probabilities (float32 [n, seq, vocab]) of a session (its `logits`) at every position of
-    token windows [n, seq]: a reference to measure other models' fidelity against (`fidelity_to`)."""
-    found = []
+    token windows [n, seq]: a reference to measure other models' fidelity against (`fidelity_to`). With `store`
+    (given the whole shape, it returns the array to fill: a memory-mapped file, say, for a reference larger than
+    memory should hold), they are written into that array one batch at a time, and it is returned."""
+    found, out = [], None
     for start in range(0, len(windows), batch_size):
         ids = windows[start:start + batch_size]
-        found.append(_log_softmax(session.run(["logits"], prefill_feed(session, ids))[0]).astype(np.float32))
-    return np.concatenate(found)
+        values = _log_softmax(session.run(["logits"], prefill_feed(session, ids))[0]).astype(np.float32)
+        if store is None:
+            found.append(values)
+            continue
+        if out is None:
+            out = store((len(windows), *values.shape[1:]))
+        out[start:start + len(ids)] = values
+    return np.concatenate(found) if store is None else out
 
 
 def fidelity_to(reference: np.ndarray, session: ort.InferenceSession, windows: np.ndarray, *,
