@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from layerdrop import memory, model_folder
-from layerdrop.api.common import guard_memory, memory_estimate
+from layerdrop import model_folder
+from layerdrop.api.common import one_at_a_time
 from layerdrop.errors import LayerdropError
 from layerdrop.formats import FUSIONS_KEY
 from layerdrop.passes.metadata import kv_bytes_per_token, removed_modules
@@ -44,18 +44,12 @@ def bench(base: Path, pruned: Path, *, seqs: tuple[int, ...] | None = None, runs
                                  "one (layerdrop export without --no-kv-cache)")
     cache = 2 * generation[0] * (generation[1] + generation[2]) * kv_bytes_per_token(graphs[0]) if generation else 0
     seqs = seqs or ((512, 1024, 2048, 4096) if options.provider == "cuda" else (256, 1024))
-    tokens = options.batch_size * max(seqs)
-    together, _ = memory_estimate(folders, tokens=tokens, extra=cache)
-    limit = memory.memory_limit(memory_limit)
-    if together > limit:
-        for folder in folders:  # refused unless each fits alone
-            guard_memory("bench", [folder], memory_limit, tokens=tokens, extra=cache)
+    why = one_at_a_time("bench", folders, memory_limit, tokens=options.batch_size * max(seqs), extra=cache)
     fused = any(FUSIONS_KEY in graph.metadata_props for graph in graphs[:2])
     result = compare(base, pruned, seqs=seqs, runs=runs, decode_tokens=decode_tokens, options=options,
-                     generation=generation, reference=reference, ideal=not fused, together=together <= limit)
-    if together > limit:
-        result["one_at_a_time"] = (f"timed one model at a time: {len(folders)} sessions at once would need about "
-                                   f"{memory.gigabytes(together)}, over the limit of {memory.gigabytes(limit)}")
+                     generation=generation, reference=reference, ideal=not fused, together=why is None)
+    if why:
+        result["one_at_a_time"] = f"timed one model at a time: {why}"
     result["kv_bytes_per_token"] = {name: kv_bytes_per_token(graph)
                                     for name, graph in zip(("base", "pruned", "reference"), graphs)}
     if fused:

@@ -75,6 +75,24 @@ def guard_memory(command: str, folders: Sequence[Path | str], memory_limit: int 
     memory.check_memory(estimate, limit, f"{command} on {memory.gigabytes(total)} of weights", fits)
 
 
+def one_at_a_time(command: str, folders: Sequence[Path | str], memory_limit: int | None, *, tokens: int = 0,
+                  extra: int = 0) -> str | None:
+    """Whether `command` must hold its sessions on `folders` one at a time: None where a session on each at once
+    (`memory_estimate`) fits `memory_limit`; else, once each alone is checked (`guard_memory`), why, for a note.
+
+    Raises:
+        LayerdropError: a folder without a readable model, or one alone over the limit.
+    """
+    together, _ = memory_estimate(folders, tokens=tokens, extra=extra)
+    limit = memory.memory_limit(memory_limit)
+    if together <= limit:
+        return None
+    for folder in folders:
+        guard_memory(command, [folder], memory_limit, tokens=tokens, extra=extra)
+    return (f"{len(folders)} sessions at once would need about {memory.gigabytes(together)}, over the limit of "
+            f"{memory.gigabytes(limit)}")
+
+
 def task_items_available(items: int) -> int:
     """`items` (per task of the papers' standard tasks, 0: none), once those tasks can run: lm-eval installed and
     the task data in the cache (fetched on first use), so a command does not fail on them after its long part.

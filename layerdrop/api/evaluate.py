@@ -12,7 +12,7 @@ from layerdrop.api.common import (
     DEFAULT_SEQ_LEN,
     calibration_sha256,
     guard_memory,
-    memory_estimate,
+    one_at_a_time,
     vocabulary,
     windows_for,
 )
@@ -173,17 +173,12 @@ def fidelity(
     """
     from layerdrop.runtime.fidelity import fidelity_to, log_probs, next_token_fidelity
 
-    tokens = options.batch_size * seq_len
-    together, _ = memory_estimate([base_path, other_path], tokens=tokens)
-    limit = memory.memory_limit(memory_limit)
-    if together > limit:
-        for path in (base_path, other_path):
-            guard_memory("eval", [path], memory_limit, tokens=tokens)
+    why = one_at_a_time("eval", [base_path, other_path], memory_limit, tokens=options.batch_size * seq_len)
     base_folder, base_model = model_folder.load(base_path)
     other_folder, other_model = model_folder.load(other_path)
     windows = windows_for(base_folder.path, text, role="eval", samples=samples, seq_len=seq_len, sampling=sampling,
                           calibration_sha256=calibration_sha256(base_model))
-    if together <= limit:
+    if why is None:
         sessions = [options.session(m, folder=f.path)
                     for f, m in ((base_folder, base_model), (other_folder, other_model))]
         found = next_token_fidelity(*sessions, windows.ids, batch_size=options.batch_size, progress=progress)
@@ -201,9 +196,7 @@ def fidelity(
                             batch_size=options.batch_size)
         del reference
     return {**found.as_dict(), "text": windows.source,
-            "one_at_a_time": f"fidelity measured one model at a time (the base's log-probabilities on disk): both "
-                             f"sessions at once would need about {memory.gigabytes(together)}, over the limit of "
-                             f"{memory.gigabytes(limit)}"}
+            "one_at_a_time": f"fidelity measured one model at a time (the base's log-probabilities on disk): {why}"}
 
 
 def standard_tasks(

@@ -171,7 +171,7 @@ class PrefillMeter:
     measured: dict = field(default_factory=dict)  # (blocks, attention) -> speedup, of the sizing's structures
     keys: dict = field(default_factory=dict)  # (blocks, attention) -> structure key
     timings: dict = field(default_factory=dict)  # structure key -> (the baseline's run times, the structure's), ms
-    alone: list = field(default_factory=list)  # without a base session: the base's own run times, ms
+    base_alone_ms: list = field(default_factory=list)  # without a base session: the base's own run times
 
     @classmethod
     def alone(cls, model: ir.Model, folder: Path, seq: int, runs: int, **kwargs) -> PrefillMeter:
@@ -180,7 +180,7 @@ class PrefillMeter:
         from layerdrop.runtime.bench import lone_prefill_ms
 
         meter = cls(model, folder, seq, None, runs, **kwargs)
-        meter.alone = lone_prefill_ms(meter._session(model), seq, max(runs, meter.confirm_runs))
+        meter.base_alone_ms = lone_prefill_ms(meter._session(model), seq, max(runs, meter.confirm_runs))
         return meter
 
     def speedup(self, blocks: Iterable[int] = (), attention: Iterable[int] = (), runs: int | None = None) -> float:
@@ -229,7 +229,7 @@ class PrefillMeter:
         base_ms, ms = self.timings.setdefault(key, ([], []))
         if len(ms) < runs and self.base is None:  # against the base's runs timed alone first (`alone`)
             ms += lone_prefill_ms(session(), self.seq, runs - len(ms))
-            base_ms[:] = self.alone
+            base_ms[:] = self.base_alone_ms
         elif len(ms) < runs:
             # a new session is warmed twice; the base twice on its first use, then once
             found = paired_speedup(self.base, session(), self.seq, runs=runs - len(ms),

@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from layerdrop import memory, model_folder
+from layerdrop import model_folder
 from layerdrop.api.common import (
     guard_memory,
     int4_write_back,
-    memory_estimate,
+    one_at_a_time,
     open_model,
     quantize_pass,
     save_model,
@@ -114,8 +114,8 @@ def plan(
     (`resume.plan_work_area`), removed once the output is written; with `resume`, a rerun loads the checkpoints of
     the same inputs and computes only the rest. A KeyboardInterrupt part way says how to resume. Before anything
     starts, the estimated peak memory (the base's session and a row's at once, the cached hidden-state prefixes) is
-    checked against `memory_limit`: over it, the timings build one session at a time (`PrefillMeter.alone`, with a
-    note), and a plan whose one session does not fit either is refused (`guard_memory`).
+    checked against `memory_limit` (`one_at_a_time`): over it, the timings build one session at a time
+    (`PrefillMeter.alone`, with a note), and a plan whose one session does not fit either is refused.
 
     Returns:
         The `PlanResult` (its `to_dict()` is plan.json; its `notes` are for the user).
@@ -133,11 +133,11 @@ def plan(
         from layerdrop.runtime.standard_tasks import check_validation_overlap
 
         check_validation_overlap(texts.validation_items, texts.task_items)
-    sizes = {"extra": PREFIX_BYTES + FIDELITY_BYTES, "quantizes": quantize is not None, "tokens": max(
+    sizes = {"extra": PREFIX_BYTES + FIDELITY_BYTES, "tokens": max(
         options.batch_size * seq_len, speedup_tokens or (SPEEDUP_TOKENS if budget.startswith("speedup") else seq_len))}
-    together = memory_estimate([model_path], copies=2, **sizes)[0]
-    alone = together > memory.memory_limit(memory_limit)  # then the timings build one session at a time
-    guard_memory("plan", [model_path], memory_limit, copies=1 if alone else 2, **sizes)
+    alone = one_at_a_time("plan", [model_path, model_path], memory_limit, **sizes)  # the base's session and a row's
+    if quantize is not None:
+        guard_memory("plan", [model_path], memory_limit, quantizes=True, **sizes)
     folder, model = open_model(model_path)
     model_folder.reserve_output(Path(out_dir), inputs=[folder.path], force=force)
     store = CheckpointStore.open(plan_work_area(out_dir), resume=resume, force=force)
@@ -152,8 +152,7 @@ def plan(
     started = time.perf_counter()
     notes: list[str] = []  # for the user; those of rows left out also go into the report's `skipped`
     if alone:
-        notes.append(f"timing one graph at a time: the base's session and a row's at once would need about "
-                     f"{memory.gigabytes(together)}, over the limit of {memory.gigabytes(memory.memory_limit(memory_limit))}")
+        notes.append(f"timing one graph at a time (the base's session, then each row's): {alone}")
     windows = plan_windows(folder.path, texts, notes)
     rows = read_scores(model) or saved.cached(
         "scores", (windows.calib.source["sha256"], samples, seq_len, sampling, options.provider),
@@ -164,7 +163,9 @@ def plan(
                     {r["layer"]: r["score"] for r in rows if r["kind"] == "block"}, windows.calib, windows.search,
                     None, options, progress, [], fit_previous)
     phase = _Phases(progress)
-    meter = _sizing_meter(inputs, parsed, allowed, speedup_runs, phase, alone) if parsed.kind == "speedup" else None
+    meter = None
+    if parsed.kind == "speedup":
+        meter = _sizing_meter(inputs, parsed, allowed, speedup_runs, phase, bool(alone))
     counts = saved.cached("sizing", (parsed, inputs.scores, inputs.block_scores, allowed, extra, options,
                                      speedup_runs, fit_previous),
                           lambda: row_counts(parsed, meter, inputs.scores, inputs.block_scores, allowed, extra,
