@@ -107,9 +107,10 @@ def pipeline(
     the base and the rewritten model also run the first `task_items` items of each of the papers' standard tasks
     (`api.evaluate.standard_tasks`, item by item: paired differences, % retained, chance-adjusted retained).
 
-    Before anything is written, the pipeline's peak memory is estimated (`guard_pipeline`: the bench's sessions on
-    the float32 export, the builder's graph and the rewritten model at once) and refused over `memory_limit`
-    (None: $LAYERDROP_MEMORY_LIMIT, else 16 GB); every stage also checks its own estimate.
+    Before anything is written, the pipeline's peak memory is estimated (`guard_pipeline`: one session on the
+    float32 export, as the bench and the fidelity hold one model at a time where two would not fit; two with the
+    builder's conversion, the quantizer's copies with `quantize`) and refused over `memory_limit` (None:
+    $LAYERDROP_MEMORY_LIMIT, else 16 GB); every stage also checks its own estimate.
 
     Raises:
         LayerdropError: conflicting selections, an OUTDIR that holds other files without --force/--resume, or an
@@ -124,9 +125,11 @@ def pipeline(
         raise LayerdropError(f"{out_dir} is not empty; pass --resume to reuse its stages or --force to redo them")
     source = Path(model) if model else None
     onnx_input = source is not None and source.is_dir() and (source / "model.onnx").is_file()
-    sessions = 2 + (builder and not onnx_input)  # the bench: its base, the rewritten model, the builder's graph
-    guard_pipeline(source, memory_limit, sessions=max(sessions, memory.QUANTIZE_COPIES if quantize else 0),
-                   tokens=max(max(bench_seq), options.batch_size * seq_len))
+    # Every stage holds one session on the model at a time where two would not fit (the bench and the fidelity say
+    # so in a note), so the floor is one; onnxruntime-genai's builder holds the Hugging Face weights and the graph it
+    # writes, and the quantizer its copies of the weights.
+    sessions = max(1, 2 if builder and not onnx_input else 0, memory.QUANTIZE_COPIES if quantize else 0)
+    guard_pipeline(source, memory_limit, sessions=sessions, tokens=max(max(bench_seq), options.batch_size * seq_len))
     task_items_available(task_items)
     out_dir.mkdir(parents=True, exist_ok=True)
     exported, scored, pruned = out_dir / "export", out_dir / "scored", out_dir / "pruned"
@@ -193,6 +196,7 @@ def pipeline(
 
     speed = bench(bench_base, pruned, seqs=bench_seq, runs=bench_runs, options=one_a_run,
                   reference=reference, memory_limit=memory_limit)
+    notes += [part["one_at_a_time"] for part in (closeness, speed) if "one_at_a_time" in part]
     removed = inspect(pruned)["removed"]  # read back from the output, so the report says what the file holds
     runtime, snippet = run_snippet(pruned)
     command = reproduce_command("pipeline", [model], {
