@@ -308,6 +308,7 @@ def test_a_pipeline_over_a_stated_memory_limit_is_refused_before_it_writes_anyth
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert "one_at_a_time" in report["bench"] and "one_at_a_time" in report["fidelity"]
     assert err.count("one model at a time") == 2, err
+    assert (tmp_path / "out" / "report.md").read_text().count("one model at a time") == 2
     assert report["bench"]["prefill"][0]["pruned"]["median_ms"] > 0 and report["fidelity"]["kl"] > 0
 
 

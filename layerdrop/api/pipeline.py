@@ -215,7 +215,8 @@ def pipeline(
               "run": {"runtime": runtime, "folder": str(pruned), "python": snippet}, "reproduce": command,
               "notes": notes, "tasks": tasks, "fidelity": closeness}
     write_json(report, out_dir / "report.json")
-    write_atomically(out_dir / "report.md", pipeline_summary(report) + "\n")
+    noted = "".join(f"\n- {note}" for note in notes)
+    write_atomically(out_dir / "report.md", pipeline_summary(report) + (f"\n\nNotes:{noted}" if notes else "") + "\n")
     return report
 
 
