@@ -1,14 +1,20 @@
 """What each stage costs as models grow: wall time, CPU time and peak memory of export, score, drop, plan (and each
 of its phases), eval and bench, one fresh process each, for one or more models.
 
-    python benchmarks/scaling.py smollm2-135m gemma3-270m qwen2.5-coder-1.5b [--quick] [--json scaling.json]
+    python benchmarks/scaling.py smollm2-135m gemma3-270m qwen2.5-coder-1.5b [--quick] [--out docs/results]
+    python benchmarks/scaling.py --render-only
 
 MODEL is anything `layerdrop export` takes (a known model's name, a Hugging Face folder, a GGUF file). Each stage runs
 as `python -m layerdrop.cli ...` in its own process, so its peak resident memory (`os.wait4`'s ru_maxrss) is its
 own; CPU time is user + system of that process. The plan's phases are timed from its progress lines. The table
 gives, beside each figure, the model's parameters, layers and hidden size, so the cost per parameter and token can
-be read off and carried to larger models (docs/design.md does that on paper). Every stage's outputs are kept under
---work (default bench-out/scaling/<model>); a stage whose output is there is run again only with --force.
+be read off and carried to larger models. Every stage's outputs are kept under --work (default
+bench-out/scaling/<model>); a stage whose output is there is run again only with --force.
+
+The figures go to OUT/scaling.json (one entry per model, with the machine, date, commit and versions; a run on one
+model keeps the others' entries when its sizes match), and OUT/scaling.md is rendered from it alone: the measured
+table, and the same stages carried on paper to 8B parameters (time and memory in proportion to parameters, from the
+largest model measured).
 """
 
 from __future__ import annotations
@@ -16,12 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from reproduce import provenance, write_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 PHASE = re.compile(r"layerdrop plan: \[(\d+)/\d+\] (.*) \((\d+) s in\)")
@@ -137,22 +144,77 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def on_paper(results: list[dict], parameters: float = 8e9, memory_gb: float = 24.0) -> str:
+    """Markdown: each stage of the largest model measured carried to PARAMETERS in proportion to parameters (the
+    same windows and tokens; a forward's multiply-adds and a float32 session's bytes both grow with them), and
+    whether its peak memory would fit MEMORY_GB."""
+    largest = max(results, key=lambda r: r["parameters"])
+    factor = parameters / largest["parameters"]
+    lines = [f"| stage | {largest['model']} wall s | {parameters / 1e9:.0f}B wall s (on paper) | "
+             f"{largest['model']} peak RSS GB | {parameters / 1e9:.0f}B peak RSS GB (on paper) | "
+             f"fits {memory_gb:.0f} GB |", "|---|---|---|---|---|---|"]
+    for name, stage in largest["stages"].items():
+        rss = stage["peak_rss_bytes"] / 1e9
+        lines.append(f"| {name} | {stage['wall_s']:.0f} | {stage['wall_s'] * factor:.0f} | {rss:.2f} | "
+                     f"{rss * factor:.1f} | {'yes' if rss * factor <= memory_gb else 'no'} |")
+    return "\n".join(lines)
+
+
+def render(report: dict) -> str:
+    """OUT/scaling.md: where and how it was measured, the table, and the stages carried to 8B."""
+    results = report["results"]
+    sizes_note = ("quick sizes (8 windows of 128 tokens to score and evaluate, a plan with few search windows, "
+                  "two timed runs at 128 tokens)" if report["quick"] else
+                  "the commands' default sizes (64 windows of 256 tokens to score, 32 to evaluate, a default plan, "
+                  "five timed runs at 256 and 1024 tokens)")
+    largest = max(results, key=lambda r: r["parameters"])
+    return "\n".join([
+        "# What each stage costs as models grow", "",
+        f"Measured on {report['machine']['cpu']} ({report['machine']['summary']}), {report['date'][:10]}, commit "
+        f"{report['commit'][:10]}, layerdrop {report['versions']['layerdrop']}, ONNX Runtime "
+        f"{report['versions']['onnxruntime']}, at {sizes_note}; each stage a fresh process (`python "
+        f"benchmarks/scaling.py {' '.join(r['model'] for r in results)}{' --quick' if report['quick'] else ''}`). "
+        "Peak RSS is the process's own (ru_maxrss); a budget of a quarter of the layers for drop and plan.", "",
+        table(results), "",
+        "## Carried to 8B on paper", "",
+        f"From {largest['model']}, in proportion to parameters at the same windows: a forward's multiply-adds and a "
+        "float32 session's bytes both grow about linearly with them (a large vocabulary's head and the tokenizer's "
+        "fixed costs make the smaller models cost more per parameter, so this is a bound for models with a "
+        "smaller share of head). Stages over the machine's memory need `--dtype float16` or a builder int4 graph, "
+        "or a larger machine; on one GPU a forward takes milliseconds and session builds dominate.", "",
+        on_paper(results), ""])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("models", nargs="+", help="known model names, Hugging Face folders or GGUF files")
+    parser.add_argument("models", nargs="*", help="known model names, Hugging Face folders or GGUF files")
     parser.add_argument("--quick", action="store_true", help="few windows and runs: a quick look, not the table")
     parser.add_argument("--work", type=Path, default=ROOT / "bench-out" / "scaling")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results",
+                        help="where scaling.json and scaling.md go")
     parser.add_argument("--threads")
     parser.add_argument("--force", action="store_true", help="measure every stage again")
-    parser.add_argument("--json", type=Path)
+    parser.add_argument("--render-only", action="store_true", help="no measurement: render OUT/scaling.json")
     args = parser.parse_args(argv)
-    results = [measure(m, args.work / Path(m).name, args.quick, args.threads, args.force) for m in args.models]
-    report = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "quick": args.quick,
-              "date": time.strftime("%Y-%m-%d"), "results": results}
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"*{report['machine']}; {report['date']}{'; quick sizes' if args.quick else ''}*\n")
-    print(table(results))
+    record = args.out / "scaling.json"
+    if args.render_only:
+        if not record.is_file():
+            parser.error(f"{record} does not exist: run the measurement first")
+        report = json.loads(record.read_text())
+    else:
+        if not args.models:
+            parser.error("name at least one model (or --render-only)")
+        results = [measure(m, args.work / Path(m).name, args.quick, args.threads, args.force) for m in args.models]
+        old = json.loads(record.read_text()) if record.is_file() else {}
+        kept = [r for r in old.get("results", []) if old.get("quick") == args.quick
+                and r["model"] not in {n["model"] for n in results}]
+        report = {**provenance(), "quick": args.quick, "results": kept + results}
+        write_atomic(record, json.dumps(report, indent=1) + "\n")
+    report["results"].sort(key=lambda r: r["parameters"])
+    write_atomic(args.out / "scaling.md", render(report))
+    print(f"*{report['machine']['summary']}; {report['date'][:10]}{'; quick sizes' if report['quick'] else ''}*\n")
+    print(table(report["results"]))
+    print(f"scaling: wrote {record} and {args.out / 'scaling.md'}", file=sys.stderr)
     return 0
 
 

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_the_scaling_script_measures_each_stage_in_its_own_process_and_resumes(hf_folder, tmp_path):
     folder = hf_folder("llama")
     args = [sys.executable, str(ROOT / "benchmarks" / "scaling.py"), str(folder), "--quick", "--work",
-            str(tmp_path / "work"), "--json", str(tmp_path / "scaling.json"), "--threads", "1"]
+            str(tmp_path / "work"), "--out", str(tmp_path), "--threads", "1"]
     done = subprocess.run(args, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "scaling.json").read_text())
@@ -34,3 +34,17 @@ def test_the_scaling_script_measures_each_stage_in_its_own_process_and_resumes(h
     again = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and again.stderr.count("measured before, kept") == 6, again.stderr[-2000:]
     assert json.loads((tmp_path / "scaling.json").read_text())["results"][0]["stages"] == result["stages"]
+    page = (tmp_path / "scaling.md").read_text()
+    assert report["commit"][:10] in page
+    assert [line for line in page.splitlines() if line.startswith("| ")][:len(rows)] == rows
+    # on paper, each stage of the model carried to 8B parameters in proportion to its parameters
+    factor = 8e9 / result["parameters"]
+    paper = {line.split(" | ")[0][2:]: line.split(" | ") for line in page.split("## Carried to 8B")[1].splitlines()
+             if line.startswith("| ") and not line.startswith("| stage")}
+    assert list(paper) == list(result["stages"])
+    for name, stage in result["stages"].items():
+        assert float(paper[name][2]) == round(stage["wall_s"] * factor)
+        assert abs(float(paper[name][4]) - stage["peak_rss_bytes"] / 1e9 * factor) <= 0.05
+    (tmp_path / "scaling.md").unlink()
+    rendered = subprocess.run([*args[:2], "--render-only", "--out", str(tmp_path)], capture_output=True, text=True)
+    assert rendered.returncode == 0 and (tmp_path / "scaling.md").read_text() == page, rendered.stderr[-2000:]
