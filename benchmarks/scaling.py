@@ -12,9 +12,9 @@ be read off and carried to larger models. Every stage's outputs are kept under -
 bench-out/scaling/<model>); a stage whose output is there is run again only with --force.
 
 The figures go to OUT/scaling.json (one entry per model, with the machine, date, commit and versions; a run on one
-model keeps the others' entries when its sizes match), and OUT/scaling.md is rendered from it alone: the measured
-table, and the same stages carried on paper to 8B parameters (time and memory in proportion to parameters, from the
-largest model measured).
+model keeps the others' entries when sizes, commit and machine match), and OUT/scaling.md is rendered from it alone:
+the measured table, and the same stages carried on paper to 8B parameters (time and memory in proportion to
+parameters, from the largest model measured).
 """
 
 from __future__ import annotations
@@ -147,11 +147,10 @@ def table(results: list[dict]) -> str:
 READS_NO_WEIGHTS = {"drop"}  # rewrites the graph without loading its weights: its cost does not grow with them
 
 
-def on_paper(results: list[dict], parameters: float = 8e9, memory_gb: float = 24.0) -> str:
+def on_paper(largest: dict, parameters: float = 8e9, memory_gb: float = 24.0) -> str:
     """Markdown: each stage of the largest model measured carried to PARAMETERS in proportion to parameters (the
     same windows and tokens; a forward's multiply-adds and a float32 session's bytes both grow with them), and
     whether its peak memory would fit MEMORY_GB. A stage that reads no weights is carried as measured."""
-    largest = max(results, key=lambda r: r["parameters"])
     factor = parameters / largest["parameters"]
     lines = [f"| stage | {largest['model']} wall s | {parameters / 1e9:.0f}B wall s (on paper) | "
              f"{largest['model']} peak RSS GB | {parameters / 1e9:.0f}B peak RSS GB (on paper) | "
@@ -167,10 +166,10 @@ def on_paper(results: list[dict], parameters: float = 8e9, memory_gb: float = 24
 def render(report: dict) -> str:
     """OUT/scaling.md: where and how it was measured, the table, and the stages carried to 8B."""
     results = report["results"]
-    sizes_note = ("quick sizes (8 windows of 128 tokens to score and evaluate, a plan with few search windows, "
-                  "two timed runs at 128 tokens)" if report["quick"] else
-                  "the commands' default sizes (64 windows of 256 tokens to score, 32 to evaluate, a default plan, "
-                  "five timed runs at 256 and 1024 tokens)")
+    s = sizes(report["quick"])
+    sizes_note = (f"{'quick' if report['quick'] else 'default'} sizes ({s['samples']} windows of {s['seq_len']} "
+                  f"tokens to score, {s['eval_samples']} to evaluate, a plan with {' '.join(s['plan']) or 'defaults'}, "
+                  f"{s['runs']} timed runs at {s['seq']} tokens)")
     largest = max(results, key=lambda r: r["parameters"])
     return "\n".join([
         "# What each stage costs as models grow", "",
@@ -187,7 +186,7 @@ def render(report: dict) -> str:
         "fixed costs make the smaller models cost more per parameter, so this is a bound for models with a "
         "smaller share of head). Stages over the machine's memory need `--dtype float16` or a builder int4 graph, "
         "or a larger machine; on one GPU a forward takes milliseconds and session builds dominate.", "",
-        on_paper(results), ""])
+        on_paper(largest), ""])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,10 +209,12 @@ def main(argv: list[str] | None = None) -> int:
         if not args.models:
             parser.error("name at least one model (or --render-only)")
         results = [measure(m, args.work / Path(m).name, args.quick, args.threads, args.force) for m in args.models]
+        report = {**provenance(), "quick": args.quick}
         old = json.loads(record.read_text()) if record.is_file() else {}
-        kept = [r for r in old.get("results", []) if old.get("quick") == args.quick
-                and r["model"] not in {n["model"] for n in results}]
-        report = {**provenance(), "quick": args.quick, "results": kept + results}
+        # the others' figures stay only where the page's one stamp holds for them too
+        same = all(old.get(k) == report[k] for k in ("quick", "commit", "machine"))
+        kept = [r for r in old.get("results", []) if same and r["model"] not in {n["model"] for n in results}]
+        report["results"] = kept + results
         write_atomic(record, json.dumps(report, indent=1) + "\n")
     report["results"].sort(key=lambda r: r["parameters"])
     write_atomic(args.out / "scaling.md", render(report))

@@ -46,6 +46,14 @@ def test_the_scaling_script_measures_each_stage_in_its_own_process_and_resumes(h
         grows = 1 if name == "drop" else factor  # a drop reads no weights
         assert float(paper[name][2]) == round(stage["wall_s"] * grows)
         assert abs(float(paper[name][4]) - stage["peak_rss_bytes"] / 1e9 * grows) <= 0.05
+    # another model's figures stay beside a rerun's only where they were measured at the same commit and machine
+    other = {**result, "model": "other-model", "parameters": result["parameters"] * 2}
+    for commit, kept in ((report["commit"], True), ("0" * 40, False)):
+        (tmp_path / "scaling.json").write_text(json.dumps({**report, "commit": commit, "results": [other, result]}))
+        assert subprocess.run(args, capture_output=True, text=True, timeout=300).returncode == 0
+        models = {r["model"] for r in json.loads((tmp_path / "scaling.json").read_text())["results"]}
+        assert models == ({result["model"], "other-model"} if kept else {result["model"]})
+    (tmp_path / "scaling.json").write_text(json.dumps(report))
     (tmp_path / "scaling.md").unlink()
     rendered = subprocess.run([*args[:2], "--render-only", "--out", str(tmp_path)], capture_output=True, text=True)
     assert rendered.returncode == 0 and (tmp_path / "scaling.md").read_text() == page, rendered.stderr[-2000:]
