@@ -194,7 +194,8 @@ def measure(model: str, work: Path, quick: bool, threads: str | None, force: boo
         if name == "genai":
             served = json.loads((work / "genai.json").read_text())
             done[name]["served"] = {**served, "tokens_per_s": round(served["new_tokens"] / served["decode_s"], 2)}
-        shutil.rmtree(work / "builder-cache", ignore_errors=True)
+        if name == "export" and builder:
+            shutil.rmtree(work / "builder-cache", ignore_errors=True)  # the builder's working cache: nothing to keep
         record.parent.mkdir(parents=True, exist_ok=True)
         partial = record.with_name(record.name + ".partial")
         partial.write_text(json.dumps(done, indent=1) + "\n")
@@ -267,18 +268,15 @@ def render(report: dict) -> str:
     sizes_note = (f"{'quick' if report['quick'] else 'default'} sizes ({s['samples']} windows of {s['seq_len']} "
                   f"tokens to score, {s['eval_samples']} to evaluate, a plan with {' '.join(s['plan']) or 'defaults'}, "
                   f"{s['runs']} timed runs at {s['seq']} tokens)")
-    largest = max((r for r in results if r.get("graph", "export") == "export"), key=lambda r: r["parameters"])
     commits = sorted({(r["commit"], r["date"][:10]) for r in results})
     stamp = (f"commit {commits[0][0][:10]}, {commits[0][1]}" if len(commits) == 1 else
              "; ".join(f"{', '.join(r['model'] for r in results if (r['commit'], r['date'][:10]) == c)} at commit "
                        f"{c[0][:10]}, {c[1]}" for c in commits))
-    runs = [r["model"].split(" (builder ")[0] for r in results if r.get("graph", "export") == "export"]
-    builders = sorted({r["graph"] for r in results if r.get("graph", "export") != "export"})
-    commands = [f"`python benchmarks/scaling.py {' '.join(runs)}{' --quick' if report['quick'] else ''}`"]
-    for graph in builders:
-        names = [r["model"].split(" (builder ")[0] for r in results if r.get("graph") == graph]
-        commands.append(f"`python benchmarks/scaling.py {' '.join(names)} --builder {graph.split()[1]}"
-                        f"{' --quick' if report['quick'] else ''}`")
+    commands = []
+    for graph in graphs(results):
+        names = " ".join(r["model"].split(" (builder ")[0] for r in results if graph_of(r) == graph)
+        option = "" if graph == "export" else f" --builder {graph.split()[1]}"
+        commands.append(f"`python benchmarks/scaling.py {names}{option}{' --quick' if report['quick'] else ''}`")
     return "\n".join([
         "# What each stage costs as models grow", "",
         f"Measured on {report['machine']['cpu']} ({report['machine']['summary']}), {stamp}, layerdrop "
@@ -287,28 +285,38 @@ def render(report: dict) -> str:
         "of a quarter of the layers for drop and plan. A builder row is onnxruntime-genai's model builder's graph of "
         "the same Hugging Face folder (its export stage is the builder), rewritten by the same commands, and its "
         "genai stage serves the plan's output with onnxruntime-genai.", "",
-        table(results), "", *served(results),
-        "## Carried to 8B on paper", "",
-        f"From {largest['model']}, in proportion to parameters at the same windows: a forward's multiply-adds and a "
-        "float32 session's bytes both grow about linearly with them; a drop reads no weights and stays as measured "
-        "(a large vocabulary's head and the tokenizer's "
-        "fixed costs make the smaller models cost more per parameter, so this is a bound for models with a "
-        "smaller share of head). Stages over the machine's memory need `--dtype float16` or a builder int4 graph, "
-        "or a larger machine; on one GPU a forward takes milliseconds and session builds dominate.", "",
-        on_paper(largest), "", *built_on_paper(results)])
+        table(results), "", *served(results), *carried(results)])
 
 
-def built_on_paper(results: list[dict]) -> list[str]:
-    """Markdown lines: the largest builder graph's stages carried to 8B the same way (its int4 weights grow with the
-    parameters too), where one was measured."""
-    built = [r for r in results if r.get("graph", "export") != "export"]
-    if not built:
-        return []
-    largest = max(built, key=lambda r: r["parameters"])
-    return [f"The same for {largest['model']}: its weights take about a quarter of the float32 bytes (the embedding "
-            "stays float), so more stages fit; the builder's conversion itself reads the float32 folder (its export "
-            "row).", "",
-            on_paper(largest), ""]
+def graph_of(result: dict) -> str:
+    """What an entry measured: "export" (layerdrop's) or "builder int4" / "builder fp32"."""
+    return result.get("graph", "export")
+
+
+def graphs(results: list[dict]) -> list[str]:
+    """The kinds of graph measured, layerdrop's export first."""
+    return sorted({graph_of(r) for r in results}, key=lambda g: (g != "export", g))
+
+
+CARRIED = {
+    "export": "a forward's multiply-adds and a float32 session's bytes both grow about linearly with them; a drop "
+              "reads no weights and stays as measured (a large vocabulary's head and the tokenizer's fixed costs make "
+              "the smaller models cost more per parameter, so this is a bound for models with a smaller share of "
+              "head). Stages over the machine's memory need `--dtype float16` or a builder int4 graph, or a larger "
+              "machine; on one GPU a forward takes milliseconds and session builds dominate.",
+    "builder": "its weights take about a quarter of the float32 bytes (the embedding stays float), so more stages "
+               "fit; the builder's conversion itself reads the float32 folder (its export row).",
+}
+
+
+def carried(results: list[dict]) -> list[str]:
+    """Markdown lines: for each kind of graph, its largest model's stages carried to 8B parameters (`on_paper`)."""
+    lines = ["## Carried to 8B on paper", ""]
+    for graph in graphs(results):
+        largest = max((r for r in results if graph_of(r) == graph), key=lambda r: r["parameters"])
+        lines += [f"From {largest['model']}, in proportion to parameters at the same windows: "
+                  f"{CARRIED[graph.split()[0]]}", "", on_paper(largest), ""]
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -325,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--render-only", action="store_true", help="no measurement: render OUT/scaling.json")
     args = parser.parse_args(argv)
     record = args.out / "scaling.json"
+    failed: list[str] = []
     if args.render_only:
         if not record.is_file():
             parser.error(f"{record} does not exist: run the measurement first")
@@ -333,22 +342,34 @@ def main(argv: list[str] | None = None) -> int:
         if not args.models:
             parser.error("name at least one model (or --render-only)")
         report = {**provenance(), "quick": args.quick}
-        results = [{**measure(m, args.work / entry_name(m, args.builder).replace(" ", "-").replace("(", "")
-                              .replace(")", ""), args.quick, args.threads, args.force, args.builder),
-                    "commit": report["commit"], "date": report["date"]} for m in args.models]
+        results = []
+        for m in args.models:  # a model that fails is reported and left out; the others are still written
+            work = args.work / (Path(m).name + (f"-builder-{args.builder}" if args.builder else ""))
+            try:
+                results.append({**measure(m, work, args.quick, args.threads, args.force, args.builder),
+                                "commit": report["commit"], "date": report["date"]})
+            except RuntimeError as error:
+                failed.append(m)
+                print(f"scaling: {m} left out: {error}", file=sys.stderr)
         old = json.loads(record.read_text()) if record.is_file() else {}
         # the others' figures stay where measured at the same sizes on the same machine (the page names each commit)
         same = all(old.get(k) == report[k] for k in ("quick", "machine"))
         kept = [{"commit": old["commit"], "date": old["date"], **r} for r in old.get("results", [])
                 if same and r["model"] not in {n["model"] for n in results}]
         report["results"] = kept + results
+        if not report["results"]:
+            print("scaling: nothing measured, nothing written", file=sys.stderr)
+            return 1
         write_atomic(record, json.dumps(report, indent=1) + "\n")
     # by size, and a model's own export before the builder's graph of it
-    report["results"].sort(key=lambda r: (round(r["parameters"], -7), r.get("graph", "export") != "export"))
+    report["results"].sort(key=lambda r: (round(r["parameters"], -7), graph_of(r) != "export"))
     write_atomic(args.out / "scaling.md", render(report))
     print(f"*{report['machine']['summary']}; {report['date'][:10]}{'; quick sizes' if report['quick'] else ''}*\n")
     print(table(report["results"]))
     print(f"scaling: wrote {record} and {args.out / 'scaling.md'}", file=sys.stderr)
+    if failed:
+        print(f"scaling: not measured: {', '.join(failed)} (above)", file=sys.stderr)
+        return 1
     return 0
 
 

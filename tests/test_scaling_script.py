@@ -113,7 +113,7 @@ def test_the_scaling_script_measures_a_builder_graph_and_serves_the_plan_with_ge
     assert "builder int4 --quick" in page and report["commit"][:10] in page and "e" * 10 in page
     assert f"served the plan's output of tiny-llama (builder int4): {served['new_tokens']} tokens" in page
     # the builder graph's stages carried to 8B as well, in proportion to its parameters (a drop as measured)
-    paper = page.split("The same for tiny-llama (builder int4)")[1]
+    paper = page.split("From tiny-llama (builder int4)")[1]
     rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in paper.splitlines()
             if line.startswith("| ") and not line.startswith("| stage")}
     assert list(rows) == list(result["stages"])
@@ -128,3 +128,15 @@ def _machine() -> dict:
     from reproduce import provenance
 
     return {"machine": provenance()["machine"]}
+
+
+def test_a_model_that_fails_is_left_out_and_named(tmp_path):
+    """A stage that fails (here an export of a folder that is not a model) leaves that model out, names it, exits 1
+    and writes nothing where nothing was measured."""
+    (tmp_path / "not-a-model").mkdir()
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scaling.py"), str(tmp_path / "not-a-model"),
+                           "--quick", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "not-a-model left out" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "out" / "scaling.json").exists() and not (tmp_path / "out" / "scaling.md").exists()
