@@ -333,11 +333,11 @@ def test_a_pipeline_with_room_for_two_sessions_holds_base_and_output_together(ex
 
 def test_a_pipeline_from_a_hugging_face_folder_is_refused_before_it_exports_and_names_the_float16_start(
         hf_folder, capsys, tmp_path):
-    """A Hugging Face folder in, with the builder's graph: the estimate is two sessions' worth (the builder's
-    conversion holds the weights and the graph it writes) on float32 weights of the parameters PyTorch counts; the
-    refusal names the float16 export to start from."""
+    """A Hugging Face folder in, with the builder's graph: the estimate is two copies of the float32 weights of the
+    parameters PyTorch counts (the builder's conversion holds the weights and the graph it writes) and one session's
+    activations (no session runs beside the builder); the refusal names the float16 export to start from."""
     parameters = _parameters("qwen2")
-    activations = 2 * int(memory.ACTIVATION_COPIES * TOKENS * VOCAB * 4)
+    activations = int(memory.ACTIVATION_COPIES * TOKENS * VOCAB * 4)
     estimate = memory.session_peak(4 * parameters, 2) + activations
     capsys.readouterr()
     argv = ["pipeline", str(hf_folder("qwen2")), "-o", str(tmp_path / "out"), *PIPELINE_RUN[:-1]]
@@ -345,3 +345,26 @@ def test_a_pipeline_from_a_hugging_face_folder_is_refused_before_it_exports_and_
     err = capsys.readouterr().err
     _refused_with_nothing_written(code, err, tmp_path)
     assert "--dtype float16" in err and "layerdrop pipeline OUT" in err
+
+
+def test_a_quantizing_pipeline_counts_the_quantizer_copies_of_the_weights_and_one_session_activations(
+        hf_folder, exported, capsys, tmp_path):
+    """`--quantize int4`: the quantizer holds its copies of the float32 weights while no session runs, so the estimate
+    is those copies and one session's activations (not three sessions' activations, which refused a 270M model with
+    a 262k-word vocabulary on 24 GB): refused one byte under it, passed at it, for a Hugging Face folder and an ONNX
+    folder alike."""
+    from layerdrop.api.pipeline import guard_pipeline
+    from layerdrop.errors import LayerdropError
+
+    activations = int(memory.ACTIVATION_COPIES * TOKENS * VOCAB * 4)
+    cases = {hf_folder("qwen2"): 4 * _parameters("qwen2"), exported("llama", True): _weight_bytes(exported("llama",
+                                                                                                          True))}
+    for source, weights in cases.items():
+        estimate = memory.session_peak(weights, memory.QUANTIZE_COPIES) + activations
+        guard_pipeline(source, estimate, copies=memory.QUANTIZE_COPIES, tokens=TOKENS)
+        with pytest.raises(LayerdropError, match="over the limit"):
+            guard_pipeline(source, estimate - 1, copies=memory.QUANTIZE_COPIES, tokens=TOKENS)
+    limit = memory.session_peak(4 * _parameters("qwen2"), memory.QUANTIZE_COPIES) + activations
+    capsys.readouterr()
+    argv = ["pipeline", str(hf_folder("qwen2")), "-o", str(tmp_path / "out"), *PIPELINE_RUN, "--quantize", "int4"]
+    _refused_with_nothing_written(main([*argv, "--memory-limit", str(limit - 1)]), capsys.readouterr().err, tmp_path)

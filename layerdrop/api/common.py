@@ -27,12 +27,12 @@ DEFAULT_SEQ_LEN = 256
 
 
 def memory_estimate(folders: Sequence[Path | str], *, copies: int = 1, tokens: int = 0, extra: int = 0,
-                    quantizes: bool = False) -> tuple[int, dict[str, int]]:
+                    quantizes: bool = False, running: int | None = None) -> tuple[int, dict[str, int]]:
     """The estimated peak memory of holding `copies` copies of the weights of all `folders` at once (one per ONNX
     Runtime session; 0 for a command that streams them; with `quantizes`, at least the int4 quantizer's
-    `memory.QUANTIZE_COPIES`), each session's activations after a run of `tokens` tokens (batch x sequence;
-    `memory.activation_peak`), and `extra` bytes of cached state; with the weights' bytes by element type, read from
-    the graphs' initializer shapes and types without reading the weights.
+    `memory.QUANTIZE_COPIES`), the activations of `running` sessions (default: one per copy) after a run of `tokens`
+    tokens (batch x sequence; `memory.activation_peak`), and `extra` bytes of cached state; with the weights' bytes by
+    element type, read from the graphs' initializer shapes and types without reading the weights.
 
     Raises:
         LayerdropError: a folder without a readable model.
@@ -42,13 +42,13 @@ def memory_estimate(folders: Sequence[Path | str], *, copies: int = 1, tokens: i
         model = model_folder.load(path)[1]
         for kind, size in memory.onnx_weight_bytes(model).items():
             weights[kind] = weights.get(kind, 0) + size
-        extra += copies * memory.activation_peak(tokens, vocabulary(model, path))
+        extra += (copies if running is None else running) * memory.activation_peak(tokens, vocabulary(model, path))
     copies = max(copies, memory.QUANTIZE_COPIES) if quantizes else copies
     return memory.session_peak(sum(weights.values()), copies) + extra, weights
 
 
 def guard_memory(command: str, folders: Sequence[Path | str], memory_limit: int | None, *, copies: int = 1,
-                 tokens: int = 0, extra: int = 0, quantizes: bool = False) -> None:
+                 tokens: int = 0, extra: int = 0, quantizes: bool = False, running: int | None = None) -> None:
     """Refuse `command` before it starts when its estimated peak memory (`memory_estimate` of the same arguments) is
     over the limit (`memory_limit` in bytes; None: $LAYERDROP_MEMORY_LIMIT, else 16 GB). The refusal names what
     would fit: a float16 export, else onnxruntime-genai's model builder int4 graph.
@@ -56,7 +56,8 @@ def guard_memory(command: str, folders: Sequence[Path | str], memory_limit: int 
     Raises:
         LayerdropError: a folder without a readable model, or an estimate over the limit.
     """
-    estimate, weights = memory_estimate(folders, copies=copies, tokens=tokens, extra=extra, quantizes=quantizes)
+    estimate, weights = memory_estimate(folders, copies=copies, tokens=tokens, extra=extra, quantizes=quantizes,
+                                        running=running)
     limit = memory.memory_limit(memory_limit)
     if estimate <= limit:
         return

@@ -107,9 +107,10 @@ def pipeline(
     the base and the rewritten model also run the first `task_items` items of each of the papers' standard tasks
     (`api.evaluate.standard_tasks`, item by item: paired differences, % retained, chance-adjusted retained).
 
-    Before anything is written, the pipeline's peak memory is estimated (`guard_pipeline`: one session on the
-    float32 export, as the bench and the fidelity hold one model at a time where two would not fit; two with the
-    builder's conversion, the quantizer's copies with `quantize`) and refused over `memory_limit` (None:
+    Before anything is written, the pipeline's peak memory is estimated (`guard_pipeline`: one session's
+    activations, as the bench and the fidelity hold one model at a time where two would not fit, and one copy of the
+    float32 weights, two with the builder's conversion, the quantizer's with `quantize`) and refused over
+    `memory_limit` (None:
     $LAYERDROP_MEMORY_LIMIT, else 16 GB); every stage also checks its own estimate.
 
     Raises:
@@ -126,10 +127,11 @@ def pipeline(
     source = Path(model) if model else None
     onnx_input = source is not None and source.is_dir() and (source / "model.onnx").is_file()
     # Every stage holds one session on the model at a time where two would not fit (the bench and the fidelity say
-    # so in a note), so the floor is one; onnxruntime-genai's builder holds the Hugging Face weights and the graph it
-    # writes, and the quantizer its copies of the weights.
-    sessions = max(1, 2 if builder and not onnx_input else 0, memory.QUANTIZE_COPIES if quantize else 0)
-    guard_pipeline(source, memory_limit, sessions=sessions, tokens=max(max(bench_seq), options.batch_size * seq_len))
+    # so in a note), so one session's activations and a floor of one copy of the weights; onnxruntime-genai's builder
+    # holds the Hugging Face weights and the graph it writes, and the quantizer its copies of the weights, with no
+    # session running beside them.
+    copies = max(1, 2 if builder and not onnx_input else 0, memory.QUANTIZE_COPIES if quantize else 0)
+    guard_pipeline(source, memory_limit, copies=copies, tokens=max(max(bench_seq), options.batch_size * seq_len))
     task_items_available(task_items)
     out_dir.mkdir(parents=True, exist_ok=True)
     exported, scored, pruned = out_dir / "export", out_dir / "scored", out_dir / "pruned"
@@ -220,17 +222,17 @@ def pipeline(
     return report
 
 
-def guard_pipeline(source: Path | None, memory_limit: int | None, *, sessions: int, tokens: int) -> None:
+def guard_pipeline(source: Path | None, memory_limit: int | None, *, copies: int, tokens: int) -> None:
     """Refuse a pipeline on `source` (an ONNX folder, a Hugging Face folder, a GGUF file, a known model's name or
-    None for the default) whose peak memory, `sessions` ONNX Runtime sessions on its float32 weights held at once
-    after runs of `tokens` tokens, is over `memory_limit`. A model whose files state no parameter shapes is not
-    estimated here (each stage still checks its own).
+    None for the default) whose peak memory, `copies` copies of its float32 weights held at once and one session's
+    activations after a run of `tokens` tokens, is over `memory_limit`. A model whose files state no parameter shapes
+    is not estimated here (each stage still checks its own).
 
     Raises:
         LayerdropError: an estimate over the limit, naming the float16 export the pipeline can start from.
     """
     if source is not None and source.is_dir() and (source / "model.onnx").is_file():
-        guard_memory("pipeline", [source], memory_limit, copies=sessions, tokens=tokens)
+        guard_memory("pipeline", [source], memory_limit, copies=copies, tokens=tokens, running=1)
         return
     from layerdrop.api.export import parameters_of, weights_of
 
@@ -240,9 +242,9 @@ def guard_pipeline(source: Path | None, memory_limit: int | None, *, sessions: i
         return
     limit = memory.memory_limit(memory_limit)
     vocabulary = model_folder.config(weights).get("vocab_size", 0) if weights.is_dir() else 0
-    activations = sessions * memory.activation_peak(tokens, vocabulary if isinstance(vocabulary, int) else 0)
-    estimate = memory.session_peak(4 * parameters, sessions) + activations
-    halved = memory.session_peak(2 * parameters, sessions) + activations
+    activations = memory.activation_peak(tokens, vocabulary if isinstance(vocabulary, int) else 0)
+    estimate = memory.session_peak(4 * parameters, copies) + activations
+    halved = memory.session_peak(2 * parameters, copies) + activations
     name = str(source) if source is not None else "MODEL"
     fits = (f"its float16 export would need about {memory.gigabytes(halved)} (layerdrop export {name} -o OUT "
             "--dtype float16, then layerdrop pipeline OUT)") if halved <= limit else (
