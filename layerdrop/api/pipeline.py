@@ -110,8 +110,7 @@ def pipeline(
     Before anything is written, the pipeline's peak memory is estimated (`guard_pipeline`: one session's
     activations, as the bench and the fidelity hold one model at a time where two would not fit, and one copy of the
     float32 weights, two with the builder's conversion, the quantizer's with `quantize`) and refused over
-    `memory_limit` (None:
-    $LAYERDROP_MEMORY_LIMIT, else 16 GB); every stage also checks its own estimate.
+    `memory_limit` (None: $LAYERDROP_MEMORY_LIMIT, else 16 GB); every stage also checks its own estimate.
 
     Raises:
         LayerdropError: conflicting selections, an OUTDIR that holds other files without --force/--resume, or an
