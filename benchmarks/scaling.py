@@ -134,9 +134,9 @@ def model_facts(folder: Path) -> dict:
     if (folder / "config.json").is_file():
         config = json.loads((folder / "config.json").read_text())
     else:  # a builder folder: onnxruntime-genai's config holds the shape
-        decoder = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
-        config = {"num_hidden_layers": decoder.get("num_hidden_layers"), "hidden_size": decoder.get("hidden_size"),
-                  "vocab_size": json.loads((folder / "genai_config.json").read_text())["model"].get("vocab_size")}
+        genai = json.loads((folder / "genai_config.json").read_text())["model"]
+        config = {"num_hidden_layers": genai["decoder"].get("num_hidden_layers"),
+                  "hidden_size": genai["decoder"].get("hidden_size"), "vocab_size": genai.get("vocab_size")}
     return {"parameters": parameters, "layers": config.get("num_hidden_layers"),
             "hidden_size": config.get("hidden_size"), "vocab_size": config.get("vocab_size")}
 
@@ -206,12 +206,20 @@ def measure(model: str, work: Path, quick: bool, threads: str | None, force: boo
 
 def hf_folder(model: str) -> Path:
     """The Hugging Face folder the model builder reads: a known model's cached folder (converted from its GGUF file
-    on first use), or the folder given."""
+    on first use), or the folder given.
+
+    Raises:
+        RuntimeError: no Hugging Face folder for MODEL (the model is then left out, like one whose stage fails).
+    """
+    from layerdrop.errors import LayerdropError
     from layerdrop.export.default_model import resolve_source
 
-    folder = resolve_source(Path(model))
+    try:
+        folder = resolve_source(Path(model))
+    except LayerdropError as error:
+        raise RuntimeError(str(error)) from None
     if not (folder / "config.json").is_file():
-        raise SystemExit(f"scaling: --builder needs a Hugging Face folder or a known model's name, not {model}")
+        raise RuntimeError(f"--builder needs a Hugging Face folder or a known model's name, not {model}")
     return folder
 
 

@@ -140,3 +140,7 @@ def test_a_model_that_fails_is_left_out_and_named(tmp_path):
     assert done.returncode == 1, done.stderr[-2000:]
     assert "not-a-model left out" in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "out" / "scaling.json").exists() and not (tmp_path / "out" / "scaling.md").exists()
+    # --builder on something with no Hugging Face folder: the same, before any stage runs
+    done = subprocess.run([*done.args, "--builder", "int4"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "needs a Hugging Face folder" in done.stderr, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and not (tmp_path / "out").exists()
