@@ -339,8 +339,9 @@ def test_a_pipeline_from_a_hugging_face_folder_is_refused_before_it_exports_and_
     parameters = _parameters("qwen2")
     activations = int(memory.ACTIVATION_COPIES * TOKENS * VOCAB * 4)
     estimate = memory.session_peak(4 * parameters, 2) + activations
+    folder = hf_folder("qwen2")  # made before the captured output is cleared: saving it prints a progress bar
     capsys.readouterr()
-    argv = ["pipeline", str(hf_folder("qwen2")), "-o", str(tmp_path / "out"), *PIPELINE_RUN[:-1]]
+    argv = ["pipeline", str(folder), "-o", str(tmp_path / "out"), *PIPELINE_RUN[:-1]]
     code = main([*argv, "--memory-limit", str(estimate - 1)])
     err = capsys.readouterr().err
     _refused_with_nothing_written(code, err, tmp_path)
@@ -357,8 +358,8 @@ def test_a_quantizing_pipeline_counts_the_quantizer_copies_of_the_weights_and_on
     from layerdrop.errors import LayerdropError
 
     activations = int(memory.ACTIVATION_COPIES * TOKENS * VOCAB * 4)
-    cases = {hf_folder("qwen2"): 4 * _parameters("qwen2"), exported("llama", True): _weight_bytes(exported("llama",
-                                                                                                          True))}
+    onnx_folder = exported("llama", True)
+    cases = {hf_folder("qwen2"): 4 * _parameters("qwen2"), onnx_folder: _weight_bytes(onnx_folder)}
     for source, weights in cases.items():
         estimate = memory.session_peak(weights, memory.QUANTIZE_COPIES) + activations
         guard_pipeline(source, estimate, copies=memory.QUANTIZE_COPIES, tokens=TOKENS)
