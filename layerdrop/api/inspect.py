@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from layerdrop import model_folder
 from layerdrop.api.common import open_model
 from layerdrop.formats import FAMILY_KEY, is_state_past, state_layer
@@ -14,7 +16,8 @@ from layerdrop.passes.metadata import calibration_record, kv_bytes_per_token, kv
 
 def inspect(model_path: Path) -> dict:
     """Describe a model folder: regions with their scores, KV bytes per token, the layers whose fitted maps carry a
-    previous-token state (`plan --fit-previous`), what was removed."""
+    state (the previous token, `plan --fit-previous`, and the running mean, `--fit-mean`) and its bytes per
+    sequence (fixed: it does not grow with the tokens), what was removed."""
     folder, model = open_model(model_path)
     regions = annotated_regions(model)
     scores = {(r["kind"], r["layer"]): r for r in read_scores(model, regions)}
@@ -36,6 +39,8 @@ def inspect(model_path: Path) -> dict:
         "kv_bytes_per_token": kv_bytes_per_token(model),
         "kv_layers": kv_layer_map(model),
         "state_layers": sorted({state_layer(v.name) for v in model.graph.inputs if is_state_past(v.name)}),
+        "state_bytes_per_sequence": sum(int(np.prod([int(d) for d in v.shape[1:]]) * v.dtype.itemsize)
+                                        for v in model.graph.inputs if is_state_past(v.name)),
         "removed": removed_modules(model),
         "calibration": calibration_record(model),
     }
