@@ -62,9 +62,8 @@ def kv_name(prefix: str, index: int, part: str) -> str:
 
 # -- the one-token state of a map that reads the previous token (`plan --fit-previous`) ------------------------------
 # onnxruntime-genai's RecurrentState carries it: per layer a rank-3 `conv_state` (here [batch, d, 1], the previous
-# token's normalized input) and a rank-4 `recurrent_state` it requires beside it (here [batch, 1, 1, 1], unused, or
-# [batch, 1, 1, d + 1], the running mean and its count, for a map that reads the mean: `plan --fit-mean`), named
-# after the cache templates, zeroed before the first token and fed back each step.
+# token's normalized input) and a rank-4 `recurrent_state` it requires beside it (here [batch, 1, 1, 1], unused),
+# named after the cache templates, zeroed before the first token and fed back each step.
 STATE_NAME = re.compile(r"^(past_key_values|present)\.(\d+)\.(conv_state|recurrent_state)$")
 STATE_PARTS = ("conv_state", "recurrent_state")
 

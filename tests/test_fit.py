@@ -32,24 +32,20 @@ def test_the_ridge_solve_is_numpys_least_squares(rng):
     np.testing.assert_allclose(bias, reference[-1], rtol=1e-8, atol=1e-10)
 
 
-@pytest.mark.parametrize("family,cache,previous,mean", [(f, True, False, False) for f in ALL_FAMILIES]
-                         + [(f, True, True, False) for f in ALL_FAMILIES] + [("llama", False, True, False)]
-                         + [(f, True, True, True) for f in ("llama", "gemma3")] + [("qwen2", False, True, True)])
-def test_fitted_attention_equals_torch_with_independently_fitted_maps(exported, family, cache, previous, mean, rng,
+@pytest.mark.parametrize("family,cache,previous", [(f, True, False) for f in ALL_FAMILIES]
+                         + [(f, True, True) for f in ALL_FAMILIES] + [("llama", False, True)])
+def test_fitted_attention_equals_torch_with_independently_fitted_maps(exported, family, cache, previous, rng,
                                                                       tmp_path):
     """Maps fitted bottom-up equal lstsq on PyTorch's states, and the rewritten graph PyTorch's model with those maps;
-    the layers' KV inputs go. With `previous` (--fit-previous) the maps read [Norm(X)_t, Norm(X)_{t-1}], with `mean`
-    (--fit-mean) also the mean of Norm(X) so far, and in a graph with a cache each fitted layer carries its state
-    instead."""
+    the layers' KV inputs go. With `previous` (--fit-previous) the maps read [Norm(X)_t, Norm(X)_{t-1}], and in a
+    graph with a cache each fitted layer carries a one-token state instead."""
     folder, model = api.open_model(exported(family, cache))
-    windows = rng.randint(0, VOCAB, size=(4 + 2 * mean, 24))  # more tokens than the map's 3d + 1 inputs
-    fit = fit_attention(model, folder.path, Windows(windows, {}), LAYERS, ridges=(RIDGE,), previous=previous,
-                        mean=mean)
-    reference, maps = fitted(tiny_model(family), windows, LAYERS, RIDGE, previous=previous, mean=mean)
+    windows = rng.randint(0, VOCAB, size=(4, 24))
+    fit = fit_attention(model, folder.path, Windows(windows, {}), LAYERS, ridges=(RIDGE,), previous=previous)
+    reference, maps = fitted(tiny_model(family), windows, LAYERS, RIDGE, previous=previous)
     for layer in LAYERS:  # the maps themselves, and the model they make
         width = fit.maps[layer].weight.shape[1]
-        assert fit.maps[layer].weight.shape == ((1 + previous + mean) * width, width)
-        assert (fit.maps[layer].previous, fit.maps[layer].mean) == (previous, mean)
+        assert fit.maps[layer].weight.shape == ((1 + previous) * width, width) and fit.maps[layer].previous == previous
         np.testing.assert_allclose(fit.maps[layer].weight, maps[layer][0], atol=1e-4)
         np.testing.assert_allclose(fit.maps[layer].bias, maps[layer][1], atol=1e-4)
     run_passes(model, api.rewrite_passes([], {}, "fit", fits=fit.maps))
@@ -67,10 +63,7 @@ def test_fitted_attention_equals_torch_with_independently_fitted_maps(exported, 
     assert sorted(states) == [f"past_key_values.{layer}.{part}" for layer in LAYERS if previous
                               for part in ("conv_state", "recurrent_state")]
     assert info["state_layers"] == (LAYERS if previous else [])
-    shapes = {i.name: i.shape for i in session(tmp_path / "fitted").get_inputs()}
-    for layer in LAYERS if previous else []:  # the running mean and its count ride in the recurrent state
-        assert shapes[f"past_key_values.{layer}.recurrent_state"][1:] == [1, 1, width + 1 if mean else 1]
-    floats = (width + (width + 1 if mean else 1)) * len(LAYERS) if previous else 0  # float32: 4 bytes each
+    floats = (width + 1) * len(LAYERS) if previous else 0  # conv_state d, recurrent_state 1; float32: 4 bytes each
     assert info["state_bytes_per_sequence"] == 4 * floats
 
 
@@ -150,19 +143,18 @@ def test_a_fit_on_fewer_tokens_than_the_hidden_size_is_refused(exported, rng):
         fit_attention(model, folder.path, Windows(rng.randint(0, VOCAB, size=(1, 20)), {}), [1])
 
 
-@pytest.mark.parametrize("family,mean", [("llama", False), ("gemma3", False), ("llama", True), ("gemma3", True)])
-def test_the_previous_tokens_state_is_carried_from_step_to_step_and_padding_is_masked(exported, family, mean, rng,
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_the_previous_tokens_state_is_carried_from_step_to_step_and_padding_is_masked(exported, family, rng,
                                                                                        tmp_path):
     """Greedy decoding of a left-padded batch through the cache, prefilled 3 tokens at a time (so a piece boundary
-    falls inside the padding), gives each prompt the tokens and logits PyTorch gives it alone, without a cache; with
-    `mean`, the running mean and its count are carried the same way."""
+    falls inside the padding), gives each prompt the tokens and logits PyTorch gives it alone, without a cache."""
     from layerdrop.runtime.bench import device_greedy
     from layerdrop.runtime.generate import greedy_batch, left_pad
     from tests.torch_reference import greedy
 
     folder, model = api.open_model(exported(family, True))
-    windows = rng.randint(0, VOCAB, size=(4 + 2 * mean, 24))
-    fit = fit_attention(model, folder.path, Windows(windows, {}), LAYERS, ridges=(RIDGE,), previous=True, mean=mean)
+    windows = rng.randint(0, VOCAB, size=(4, 24))
+    fit = fit_attention(model, folder.path, Windows(windows, {}), LAYERS, ridges=(RIDGE,), previous=True)
     run_passes(model, api.rewrite_passes([], {}, "fit", fits=fit.maps))
     save(model, tmp_path / "fitted", source=folder)
     reference = with_maps(tiny_model(family), fit.maps)

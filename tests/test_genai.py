@@ -266,9 +266,8 @@ def test_pipeline_with_quantize_benches_int4_against_int4_and_the_builders_int4(
 
 @pytest.fixture(scope="module")
 def previous_token_fits(exported, tmp_path_factory):
-    """factory(family, mean) -> (folder rewritten with maps that read the previous token (and, with `mean`, the
-    running mean) in layers 1 and 3, written by `save_model` with its genai_config.json; PyTorch's model with the
-    same maps)."""
+    """factory(family) -> (folder rewritten with maps that read the previous token in layers 1 and 3, written by
+    `save_model` with its genai_config.json; PyTorch's model with the same maps)."""
     from layerdrop.api.common import save_model
     from layerdrop.passes.cleanup import run_passes
     from layerdrop.search.fit import fit_attention
@@ -277,16 +276,15 @@ def previous_token_fits(exported, tmp_path_factory):
 
     made = {}
 
-    def make(family: str, mean: bool = False):
-        if (family, mean) not in made:
+    def make(family: str):
+        if family not in made:
             folder, model = api.open_model(exported(family, True))
-            windows = np.random.RandomState(7).randint(0, VOCAB, size=(4 + 2 * mean, 24))
-            fit = fit_attention(model, folder.path, Windows(windows, {}), [1, 3], ridges=(1e-2,), previous=True,
-                                mean=mean)
+            windows = np.random.RandomState(7).randint(0, VOCAB, size=(4, 24))
+            fit = fit_attention(model, folder.path, Windows(windows, {}), [1, 3], ridges=(1e-2,), previous=True)
             run_passes(model, api.rewrite_passes([], {}, "fit", fits=fit.maps))
             out = save_model(model, tmp_path_factory.mktemp(f"previous-{family}") / "model", folder, force=False)
-            made[family, mean] = out, with_maps(tiny_model(family), fit.maps)
-        return made[family, mean]
+            made[family] = out, with_maps(tiny_model(family), fit.maps)
+        return made[family]
 
     return make
 
@@ -299,17 +297,15 @@ def _prompts(folder: Path, rng) -> list[list[int]]:
 
 
 # not phi3: its tiny config's end token (32000) lies outside its vocabulary, which onnxruntime-genai refuses
-@pytest.mark.parametrize("family,mean", [(f, False) for f in ("gemma2", "gemma3", "llama", "mistral", "qwen2", "qwen3")]
-                         + [("llama", True), ("gemma3", True)])
-def test_genai_carries_the_previous_token_state_as_a_recurrent_state(previous_token_fits, family, mean, rng):
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "llama", "mistral", "qwen2", "qwen3"])
+def test_genai_carries_the_previous_token_state_as_a_recurrent_state(previous_token_fits, family, rng):
     """onnxruntime-genai finds each fitted layer's state among the graph's inputs (its RecurrentState) next to the
     other layers' KV cache: its greedy tokens are a plain ONNX Runtime session's and PyTorch's with the same maps,
-    for one prompt and for a right-padded batch of prompts of different lengths (each row as if alone); with `mean`,
-    the running mean and its count ride in the same state."""
+    for one prompt and for a right-padded batch of prompts of different lengths (each row as if alone)."""
     from tests.genai_helpers import genai_greedy_batch
     from tests.torch_reference import greedy
 
-    out, reference = previous_token_fits(family, mean)
+    out, reference = previous_token_fits(family)
     config = json.loads((out / "genai_config.json").read_text())["model"]["decoder"]
     assert config["num_hidden_layers"] == 2 and config["inputs"]["past_key_names"] == "past_key_values.%d.key"
     prompts = _prompts(out, rng)

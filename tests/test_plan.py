@@ -170,12 +170,11 @@ def test_bad_budget_is_refused(exported, tmp_path, capsys, budget, message):
     assert code == 2 and message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("previous,mean", [(False, False), (True, False), (True, True)])
-def test_fit_moves_plan_fitted_layers_equal_to_torch(exported, tmp_path, rng, previous, mean):
+@pytest.mark.parametrize("previous", [False, True])
+def test_fit_moves_plan_fitted_layers_equal_to_torch(exported, tmp_path, rng, previous):
     """--moves fit: the pick is a fitted row, and the written model is PyTorch's with maps fitted independently on
     the planner's calibration windows with the ridges it chose; with --fit-previous, maps of the previous token's
-    state too, each carried as a one-token state in place of the layer's cache; with --fit-mean, of the running mean
-    too."""
+    state too, each carried as a one-token state in place of the layer's cache."""
     from layerdrop.api.reports import plan_table
     from tests.helpers import session
     from tests.torch_reference import fitted
@@ -184,8 +183,7 @@ def test_fit_moves_plan_fitted_layers_equal_to_torch(exported, tmp_path, rng, pr
     report = tmp_path / "plan.json"
     code = main(["plan", *NO_TASK, str(folder), "-o", str(tmp_path / "model"), "--budget", "attn=2", "--samples", "4",
                  "--search-samples", "2", "--eval-samples", "2", "--seq-len", "32", "--moves", "fit",
-                 "--json", str(report), "--no-progress", *([] if previous else ["--fit-per-token"]),
-                 *(["--fit-mean"] if mean else [])])
+                 "--json", str(report), "--no-progress", *([] if previous else ["--fit-per-token"])])
     assert code == 0
     result = json.loads(report.read_text())
     pick = result["pick"]
@@ -194,14 +192,13 @@ def test_fit_moves_plan_fitted_layers_equal_to_torch(exported, tmp_path, rng, pr
     windows = api.windows_for(folder, None, role="calib", samples=4, seq_len=32).ids
     model = tiny_model("llama")
     for layer in pick["fits"]:  # bottom-up, each with its own ridge, as the planner fitted them
-        model, _ = fitted(model, windows, [layer], pick["ridges"][str(layer)], previous=previous, mean=mean)
+        model, _ = fitted(model, windows, [layer], pick["ridges"][str(layer)], previous=previous)
     inputs = {i.name for i in session(tmp_path / "model").get_inputs()}
     assert {n for n in inputs if n.endswith(".conv_state")} == (
         {f"past_key_values.{k}.conv_state" for k in pick["fits"]} if previous else set())
     assert (tmp_path / "model" / "genai_config.json").exists()  # onnxruntime-genai carries the states too
-    assert (result["fit_previous"], result["fit_mean"]) == (previous, mean)
-    assert ("fit = fitted map of the token and the previous one" in plan_table(result)) == (previous and not mean)
-    assert ("fit = fitted map of the token, the previous one and the running mean" in plan_table(result)) == mean
+    assert result["fit_previous"] == previous
+    assert ("fit = fitted map of the token and the previous one" in plan_table(result)) == previous
     ids = rng.randint(0, VOCAB, size=(1, 10))
     np.testing.assert_allclose(ort_logits(tmp_path / "model", ids), logits(model, ids), atol=1e-4, rtol=0)
 
@@ -237,8 +234,6 @@ def test_self_samples_join_the_fits_calibration_windows_like_torch(exported, tmp
     (["--self-samples", "-1"], "--self-samples '-1': give 0"),
     (["--self-samples", "2", "--moves", "drop,bypass"], "--self-samples adds windows to the fits' calibration"),
     (["--fit-previous", "--moves", "drop,bypass"], "--fit-previous shapes the fitted attention maps: allow fit"),
-    (["--fit-mean", "--moves", "drop,bypass"], "--fit-mean shapes the fitted attention maps: allow fit"),
-    (["--fit-mean", "--fit-per-token"], "--fit-mean adds the running mean to maps that read the previous token"),
 ])
 def test_bad_self_samples_are_refused(exported, tmp_path, capsys, args, message):
     code = main(["plan", str(exported("llama", True)), "-o", str(tmp_path / "m"), "--budget", "attn=2", *args])

@@ -16,8 +16,8 @@ from layerdrop.passes.metadata import calibration_record, kv_bytes_per_token, kv
 
 def inspect(model_path: Path) -> dict:
     """Describe a model folder: regions with their scores, KV bytes per token, the layers whose fitted maps carry a
-    state (the previous token, `plan --fit-previous`, and the running mean, `--fit-mean`) and its bytes per
-    sequence (fixed: it does not grow with the tokens), what was removed."""
+    previous-token state (`plan --fit-previous`) and its bytes per sequence (fixed: it does not grow with the tokens),
+    what was removed."""
     folder, model = open_model(model_path)
     regions = annotated_regions(model)
     scores = {(r["kind"], r["layer"]): r for r in read_scores(model, regions)}

@@ -200,8 +200,7 @@ def plan_table(result: dict) -> str:
                if task_items else [])
             + ([f"KL from the baseline, nats/token (top-1 agreement), {fidelity['tokens']} held-out tokens"]
                if fidelity else []))
-    fit = ("fitted map of the token, the previous one and the running mean" if result.get("fit_mean")
-           else "fitted map of the token and the previous one" if result.get("fit_previous") else "fitted map")
+    fit = "fitted map of the token and the previous one" if result.get("fit_previous") else "fitted map"
     lines = [f"| method (budget {result['budget']}) | moves: layer:alpha (0 = drop, or the mean with the shift; fit = "
              f"{fit}), blocks removed | " + " | ".join(head) + " |", "|---|---|" + "---|" * len(head)]
 

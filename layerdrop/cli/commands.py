@@ -49,7 +49,7 @@ def cmd_inspect(args) -> int:
     kv_text = f"{kv} bytes/token ({len(info['kv_layers'])} cached layers)" if kv else "none (no KV-cache inputs)"
     print(f"KV cache: {kv_text}")
     if info["state_layers"]:
-        print(f"fitted-map states (not KV; {info['state_bytes_per_sequence']} bytes per sequence, whatever its "
+        print(f"previous-token states (not KV; {info['state_bytes_per_sequence']} bytes per sequence, whatever its "
               f"length): layers {' '.join(map(str, info['state_layers']))}")
     rows = info["regions"] + [{**b, "kind": "block"} for b in info["blocks"]]
     print_scores(rows)
@@ -251,10 +251,9 @@ def cmd_plan(args) -> int:
         validation_items=args.validation_items, task_items=args.task_items)
     result = api.plan(args.model, args.output, budget=args.budget, texts=texts, extra=args.extra, moves=args.moves,
                       shift=args.shift, per_layer_moves=args.per_layer_moves, fit_previous=args.fit_previous,
-                      fit_mean=args.fit_mean, pick=args.pick, force=args.force, progress=_progress(args),
-                      quantize=args.quantize, keep_float=args.keep_float, speedup_tokens=args.speedup_tokens,
-                      speedup_runs=args.speedup_runs, resume=args.resume, memory_limit=args.memory_limit,
-                      options=_options(args, args.batch_size))
+                      pick=args.pick, force=args.force, progress=_progress(args), quantize=args.quantize,
+                      keep_float=args.keep_float, speedup_tokens=args.speedup_tokens, speedup_runs=args.speedup_runs,
+                      resume=args.resume, memory_limit=args.memory_limit, options=_options(args, args.batch_size))
     for note in result.notes:
         print(f"layerdrop: note: {note}", file=sys.stderr)
     report = result.to_dict()

@@ -277,9 +277,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fit-previous", dest="fit_previous", action="store_true",
                    help="maps that also read the previous token (the default where fit is allowed; named, it "
                    "requires fit in --moves)")
-    p.add_argument("--fit-mean", action="store_true",
-                   help="maps that read the previous token also read the running mean of the layer's input so far "
-                   "(carried beside the previous token's state; a third d x d map per layer)")
     p.add_argument("--pick", default="guarded", metavar="CRITERION",
                    help="how the pick is chosen among the rows, on validation evidence no fit or search saw: guarded "
                    "(default: the best row by the validation measure that the best paper row by it does not beat on a "

@@ -13,8 +13,7 @@ fit never saw (squared error, in closed form from the validation windows' own no
 
 With `previous`, each map also reads the previous token's normalized input: the states are [X_t, X_{t-1}] (X_{-1} =
 0, within each window; a BOS column is a previous token like any other), W is [2d, d], and the layer's KV cache gives
-way to a one-token state (`passes.fit_attention`). With `mean` as well, the states are [X_t, X_{t-1}, M_t], M_t the
-mean of X over the window's positions up to t, and W is [3d, d].
+way to a one-token state (`passes.fit_attention`).
 """
 
 from __future__ import annotations
@@ -80,21 +79,16 @@ def _run(session, stream: _Stream, names: list[str], batch_size: int):
         yield rows, session.run(names, prefill_feed(session, stream.ids[rows], extra=extra))
 
 
-def with_previous(states: np.ndarray, mean: bool = False) -> np.ndarray:
-    """[X_t, X_{t-1}] for states [batch, seq, d] (X_{-1} = 0): the inputs of a map that reads the previous token; with
-    `mean`, [X_t, X_{t-1}, M_t], M_t the mean of X_0..X_t (every position of a calibration window is real)."""
+def with_previous(states: np.ndarray) -> np.ndarray:
+    """[X_t, X_{t-1}] for states [batch, seq, d] (X_{-1} = 0): the inputs of a map that reads the previous token."""
     before = np.concatenate([np.zeros_like(states[:, :1]), states[:, :-1]], axis=1)
-    parts = [states, before]
-    if mean:
-        totals = np.cumsum(states.astype(np.float64), axis=1)
-        parts.append((totals / np.arange(1, states.shape[1] + 1)[None, :, None]).astype(states.dtype))
-    return np.concatenate(parts, axis=-1)
+    return np.concatenate([states, before], axis=-1)
 
 
 def _statistics(session, streams: list[_Stream], pairs: list[tuple[str, str]], batch_size: int,
-                previous: bool = False, mean: bool = False) -> list[list[tuple[np.ndarray, np.ndarray, float, int]]]:
+                previous: bool = False) -> list[list[tuple[np.ndarray, np.ndarray, float, int]]]:
     """Per pair of values (a layer's normalized input X, its branch output Y) and per stream, (G, C, |Y|^2, tokens)
-    over every text token: one run of the session for all pairs. With `previous`, X is `with_previous(X, mean)`."""
+    over every text token: one run of the session for all pairs. With `previous`, X is `with_previous(X)`."""
     names = list(dict.fromkeys(name for pair in pairs for name in pair))
     found = []
     for stream in streams:
@@ -103,7 +97,7 @@ def _statistics(session, streams: list[_Stream], pairs: list[tuple[str, str]], b
             real = stream.real[rows]
             outputs = dict(zip(names, arrays))
             for total, (state, target) in zip(sums, pairs):
-                states = with_previous(outputs[state], mean) if previous else outputs[state]
+                states = with_previous(outputs[state]) if previous else outputs[state]
                 g, c = normal_equations(states[real], outputs[target][real])
                 total[0], total[1] = total[0] + g, total[1] + c
                 total[2] += float(np.sum(outputs[target][real].astype(np.float64) ** 2))
@@ -112,12 +106,10 @@ def _statistics(session, streams: list[_Stream], pairs: list[tuple[str, str]], b
     return [list(per_pair) for per_pair in zip(*found)]
 
 
-def _choose(result: Fit, layer: int, stats: list[tuple], ridges: tuple[float, ...], previous: bool = False,
-            mean: bool = False) -> None:
+def _choose(result: Fit, layer: int, stats: list[tuple], ridges: tuple[float, ...], previous: bool = False) -> None:
     """Solve one layer's map from its statistics (calibration first, then validation, if any) for every ridge and
     keep the one with the least validation error (the middle ridge without validation) in `result` (a map that
-    reads the previous token with `previous`, and the running mean with `mean`: the statistics are of
-    `with_previous` states).
+    reads the previous token with `previous`: the statistics are of `with_previous` states).
 
     Raises:
         TooFewTokens: fewer calibration tokens than the hidden size + 1.
@@ -134,7 +126,7 @@ def _choose(result: Fit, layer: int, stats: list[tuple], ridges: tuple[float, ..
                   for ridge, found in candidates.items()}
         result.trials += [{"layer": layer, "ridge": ridge, "error": error} for ridge, error in errors.items()]
         chosen = min(errors, key=lambda r: (errors[r], -r))  # on a tie, the stronger ridge
-    result.maps[layer], result.ridges[layer] = FittedMap(*candidates[chosen], previous=previous, mean=mean), chosen
+    result.maps[layer], result.ridges[layer] = FittedMap(*candidates[chosen], previous=previous), chosen
 
 
 def _climb(session, streams: list[_Stream], target: str, batch_size: int) -> None:
@@ -162,14 +154,12 @@ class Fit:
 
 def fit_attention(model: ir.Model, folder: Path, windows: Windows, layers: list[int], *,
                   validation: Windows | np.ndarray | None = None, ridges: tuple[float, ...] = RIDGES,
-                  options: RunOptions = RunOptions(), progress: bool = False, previous: bool = False,
-                  mean: bool = False) -> Fit:
+                  options: RunOptions = RunOptions(), progress: bool = False, previous: bool = False) -> Fit:
     """Fit a linear map in place of the attention of each of `layers`, bottom-up (module docstring).
 
     With `validation` windows, each layer's ridge is the one of `ridges` whose map has the lowest squared error on
     them (every trial is in `Fit.trials`: layer, ridge, error per token); without, the middle one is used. With
-    `previous`, the maps also read the previous token's normalized input, and with `mean` its running mean (module
-    docstring).
+    `previous`, the maps also read the previous token's normalized input (module docstring).
 
     Raises:
         LayerdropError: the windows hold fewer text tokens than the map's inputs + 1 (the fit is not well posed), or a
@@ -190,8 +180,7 @@ def fit_attention(model: ir.Model, folder: Path, windows: Windows, layers: list[
         entry = attention_entries(current)[layer]
         pair = _pair(current, layer)
         session = options.session(segment(current, entry, list(pair)), folder=folder)
-        _choose(result, layer, _statistics(session, streams, [pair], batch_size, previous, mean)[0], ridges,
-                previous, mean)
+        _choose(result, layer, _statistics(session, streams, [pair], batch_size, previous)[0], ridges, previous)
         if index + 1 < len(layers):  # up to the next layer, through this layer's map
             current = _with_maps(model, result.maps)
             target = attention_entries(current)[layers[index + 1]]
@@ -203,9 +192,9 @@ def fit_attention(model: ir.Model, folder: Path, windows: Windows, layers: list[
 
 def solo_fits(model: ir.Model, folder: Path, windows: Windows, layers: list[int], *,
               validation: Windows | np.ndarray | None = None, ridges: tuple[float, ...] = RIDGES,
-              options: RunOptions = RunOptions(), previous: bool = False, mean: bool = False) -> Fit:
+              options: RunOptions = RunOptions(), previous: bool = False) -> Fit:
     """A map for each of `layers` fitted alone, on the unmodified model's states (one run for all of them): the
-    maps a search tries one layer at a time. Ridges, `previous` and `mean` as in `fit_attention`.
+    maps a search tries one layer at a time. Ridges and `previous` as in `fit_attention`.
 
     Raises:
         LayerdropError: as `fit_attention`.
@@ -214,8 +203,8 @@ def solo_fits(model: ir.Model, folder: Path, windows: Windows, layers: list[int]
     streams = _streams(model, windows, layers, validation)
     pairs = [_pair(model, layer) for layer in sorted(layers)]
     session = options.session(with_outputs(model, [name for pair in pairs for name in pair]), folder=folder)
-    for layer, stats in zip(sorted(layers), _statistics(session, streams, pairs, options.batch_size, previous, mean)):
-        _choose(result, layer, stats, ridges, previous, mean)
+    for layer, stats in zip(sorted(layers), _statistics(session, streams, pairs, options.batch_size, previous)):
+        _choose(result, layer, stats, ridges, previous)
     return result
 
 

@@ -149,10 +149,10 @@ class PrefillMeter:
 
     For sizing (`speedup`), an attention layer becomes what the allowed moves leave of it: a `maps` d x d map (1: a
     fitted map's MatMul and Add, the cost of a folded V·O bypass too; 2: a map that also reads the previous token;
-    3: one that reads the running mean too; its values do not matter, so zeros) or nothing (0: a drop). ReplaceMe's
-    transform is folded into a kept block's MLP, so a fitted run costs what dropping its blocks does. `runs` runs a
-    structure the sizing measures, `confirm_runs` (if more) the count it settles on; `bar` (a tqdm bar) counts the
-    measurements; `options` how the sessions run.
+    its values do not matter, so zeros) or nothing (0: a drop). ReplaceMe's transform is folded into a kept
+    block's MLP, so a fitted run costs what dropping its blocks does. `runs` runs a structure the sizing
+    measures, `confirm_runs` (if more) the count it settles on; `bar` (a tqdm bar) counts the measurements; `options`
+    how the sessions run.
 
     Made by `alone` instead (where the base and a rewritten graph do not fit in memory together), the meter times
     one graph at a time: the base first in a session of its own, released before any other is built, then each
@@ -267,8 +267,7 @@ class PrefillMeter:
                 raise LayerdropError("a speedup budget needs the hidden size in the graph's shapes to time fitted "
                                      "maps; run the graph through onnx shape inference, or use --moves drop,blocks")
             passes.append(FitAttentionPass({k: FittedMap(np.zeros((self.maps * d, d), np.float32),
-                                                         np.zeros(d, np.float32), previous=self.maps >= 2,
-                                                         mean=self.maps == 3)
+                                                         np.zeros(d, np.float32), previous=self.maps == 2)
                                             for k, d in width.items()}, reason="sizing"))
         run_passes(copy, [*passes, *tidy_passes()])
         return copy

@@ -75,7 +75,6 @@ def plan(
     shift: bool = True,
     per_layer_moves: bool = False,
     fit_previous: bool | None = None,
-    fit_mean: bool = False,
     pick: str = DEFAULT_CRITERION,
     options: RunOptions = RunOptions(),
     force: bool = False,
@@ -148,10 +147,7 @@ def plan(
         raise LayerdropError("this graph has no attention regions; nothing to plan")
     parsed = parse_budget(budget, len(attention))
     allowed = allowed_moves(moves, parsed, shift=shift, per_layer_moves=per_layer_moves,
-                            self_samples=texts.self_samples, fit_previous=bool(fit_previous), fit_mean=fit_mean)
-    if fit_mean and fit_previous is False:
-        raise LayerdropError("--fit-mean adds the running mean to maps that read the previous token: leave out "
-                             "--fit-per-token")
+                            self_samples=texts.self_samples, fit_previous=bool(fit_previous))
     fit_previous = "fit" in allowed if fit_previous is None else fit_previous
     started = time.perf_counter()
     notes: list[str] = []  # for the user; those of rows left out also go into the report's `skipped`
@@ -165,13 +161,13 @@ def plan(
                       memory_limit=memory_limit)["regions"])
     inputs = Inputs(model, folder.path, {r["layer"]: r["score"] for r in rows if r["kind"] == "attn"},
                     {r["layer"]: r["score"] for r in rows if r["kind"] == "block"}, windows.calib, windows.search,
-                    None, options, progress, [], fit_previous, fit_mean)
+                    None, options, progress, [], fit_previous)
     phase = _Phases(progress)
     meter = None
     if parsed.kind == "speedup":
         meter = _sizing_meter(inputs, parsed, allowed, speedup_runs, phase, bool(alone))
     counts = saved.cached("sizing", (parsed, inputs.scores, inputs.block_scores, allowed, extra, options,
-                                     speedup_runs, fit_previous, fit_mean),
+                                     speedup_runs, fit_previous),
                           lambda: row_counts(parsed, meter, inputs.scores, inputs.block_scores, allowed, extra,
                                              inputs.skipped), skipped=inputs.skipped, meter=meter)
     if "fit" in allowed or counts.blocks:
@@ -207,8 +203,7 @@ def plan(
         "-o": out_dir, "--budget": budget, "--calib": calib, "--eval": texts.eval_text,
         "--search-text": texts.search_text, "--also-eval": list(texts.also_eval), "--moves": moves,
         "--no-shift": not shift, "--per-layer-moves": per_layer_moves,
-        "--fit-per-token": not fit_previous and "fit" in allowed, "--fit-mean": fit_mean,
-        "--pick": _unless(pick, DEFAULT_CRITERION),
+        "--fit-per-token": not fit_previous and "fit" in allowed, "--pick": _unless(pick, DEFAULT_CRITERION),
         **{option: _unless(getattr(texts, name), getattr(DEFAULT_TEXTS, name)) for option, name in TEXT_OPTIONS},
         "--extra": _unless(extra, 4), "--speedup-tokens": speedup_tokens,
         "--speedup-runs": _unless(speedup_runs, SPEEDUP_RUNS), "--seed": _unless(sampling.seed, 0),
@@ -241,7 +236,7 @@ def _sizing_meter(inputs: Inputs, budget: Budget, allowed: frozenset, speedup_ru
     phase.total = 2 + 2 * bool(allowed - {"blocks", "shift"}) + ("blocks" in allowed)  # until the sizing says
     phase(f"sizing the rows: the fewest layers and blocks whose measured prefill at {tokens} tokens reaches "
           f"{budget.value:g}x")
-    maps = (1 + inputs.previous + inputs.mean) * bool(allowed & {"fit", "bypass"})
+    maps = (1 + inputs.previous) * bool(allowed & {"fit", "bypass"})
     runs = min(speedup_runs or SIZING_RUNS, SIZING_RUNS)
     settings = {"confirm_runs": speedup_runs, "maps": maps, "options": inputs.options,
                 "bar": tqdm(desc="sizing rows by measured prefill", unit="graph", disable=not inputs.progress,
@@ -286,7 +281,7 @@ def _candidates(inputs: Inputs, attention: list[int], counts: RowCounts, allowed
             fits_grid = grid if per_layer_moves else ()
             planned, found = saved.cached(
                 "fits", (scores, fit, search, calib if fits_grid and shifted else None, inputs.options,
-                         inputs.previous, count, extra, fits_grid, shifted, counts.matched, inputs.mean),
+                         inputs.previous, count, extra, fits_grid, shifted, counts.matched),
                 lambda: fit_candidates(inputs, count, extra, fits_grid, shifted, counts.matched))
             candidates += found
         except TooFewTokens as exc:
@@ -310,8 +305,7 @@ def _candidates(inputs: Inputs, attention: list[int], counts: RowCounts, allowed
         candidates += block_candidates(inputs.block_scores, block_count, runs)
         if runs:
             candidates += saved.cached(
-                "mixed", (scores, fit, search, inputs.options, inputs.previous, budget.value, sizes, runs, allowed,
-                          inputs.mean),
+                "mixed", (scores, fit, search, inputs.options, inputs.previous, budget.value, sizes, runs, allowed),
                 lambda: mixed_candidates(inputs, meter, budget.value, sizes, runs, allowed),
                 skipped=inputs.skipped, meter=meter)
     return candidates, planned.log if planned is not None else [], allowed
@@ -375,7 +369,6 @@ def _measured(inputs: Inputs, windows: PlanWindows, candidates: list[Candidate],
         accuracy_task=held_out.items or [],
         fit_text=inputs.fit.source if inputs.fit is not None and fitted else None,
         fit_previous=any(m.previous for c in candidates for m in (c.fits or {}).values()),
-        fit_mean=any(m.mean for c in candidates for m in (c.fits or {}).values()),
         skipped=skipped, criterion=criterion, picks=picks,
         validation_texts={kind: w.source for kind, w in windows.validation.kinds.items()}
         if windows.validation is not None else {}, validation_items=validation_items, task_items=held_out.tasks,

@@ -43,7 +43,7 @@ def parse_moves(text: str | None, budget_kind: str = "attn") -> frozenset:
 
 
 def allowed_moves(text: str | None, budget: Budget, *, shift: bool = True, per_layer_moves: bool = False,
-                  self_samples: int = 0, fit_previous: bool = False, fit_mean: bool = False) -> frozenset:
+                  self_samples: int = 0, fit_previous: bool = False) -> frozenset:
     """The move words the plan may use (`parse_moves`, less the shift without `shift`), checked against the options
     that shape them.
 
@@ -58,9 +58,8 @@ def allowed_moves(text: str | None, budget: Budget, *, shift: bool = True, per_l
         raise LayerdropError(f"--self-samples {self_samples}: give a number of windows, 0 or more")
     if self_samples and not allowed & {"fit", "blocks"}:
         raise LayerdropError("--self-samples adds windows to the fits' calibration: allow fit or blocks in --moves")
-    if (fit_previous or fit_mean) and "fit" not in allowed:
-        option = "--fit-mean" if fit_mean else "--fit-previous"
-        raise LayerdropError(f"{option} shapes the fitted attention maps: allow fit in --moves")
+    if fit_previous and "fit" not in allowed:
+        raise LayerdropError("--fit-previous shapes the fitted attention maps: allow fit in --moves")
     return allowed
 
 

@@ -78,7 +78,6 @@ class Inputs:
     progress: bool
     skipped: list[str]  # the default rows left out, and why
     previous: bool = False  # fitted maps also read the previous token
-    mean: bool = False  # and the running mean
 
 
 def moves_of(alphas: dict[int, float]) -> frozenset:
@@ -143,8 +142,7 @@ def fit_candidates(inputs: Inputs, count: int, extra: int, grid: tuple[float, ..
     """
     model, folder, options, search = inputs.model, inputs.folder, inputs.options, inputs.search
     pool = candidate_pool(inputs.scores, count, extra)
-    solo = solo_fits(model, folder, inputs.fit, pool, validation=search, previous=inputs.previous, mean=inputs.mean,
-                     options=options)
+    solo = solo_fits(model, folder, inputs.fit, pool, validation=search, previous=inputs.previous, options=options)
     means = branch_means(model, folder, inputs.calib, pool, options) if grid and shift else None
     planned = plan_fits(model, folder, search.ids, inputs.scores, count, solo=solo, extra=extra,
                         progress=inputs.progress, grid=grid, means=means, more=(matched or count) - count,
@@ -155,7 +153,7 @@ def fit_candidates(inputs: Inputs, count: int, extra: int, grid: tuple[float, ..
                shifted: dict | None = None) -> Candidate:
         """A candidate with `layers` replaced by maps fitted bottom-up on `base` (the model with `alphas` applied)."""
         fit = fit_attention(base, folder, inputs.fit, layers, validation=search, progress=inputs.progress,
-                            previous=inputs.previous, mean=inputs.mean, options=options)
+                            previous=inputs.previous, options=options)
         moves = ({"fit"} if layers else set()) | moves_of(alphas or {}) | ({"shift"} if shifted else set())
         return Candidate(name, dict(alphas or {}), means=shifted, fits=fit.maps or None, ridges=fit.ridges,
                          moves=frozenset(moves))
@@ -237,7 +235,7 @@ def mixed_candidates(inputs: Inputs, meter: PrefillMeter, value: float, sizes: l
         try:
             fit = fit_attention(with_replaced_run(inputs.model, run.start, run.count, run.transform), inputs.folder,
                                 inputs.fit, layers, validation=inputs.search, progress=inputs.progress,
-                                previous=inputs.previous, mean=inputs.mean, options=inputs.options)
+                                previous=inputs.previous, options=inputs.options)
         except TooFewTokens as exc:
             inputs.skipped.append(f"the runs with fitted attention left out: {exc}")
             break

@@ -108,7 +108,6 @@ class PlanResult:
     accuracy_task: list[dict]  # the items, to rerun them through lm-eval elsewhere
     fit_text: dict | None
     fit_previous: bool
-    fit_mean: bool
     skipped: list[str]
     criterion: str = "guarded"
     picks: dict = field(default_factory=dict)  # criterion -> the method it picks among the same rows
@@ -137,8 +136,7 @@ class PlanResult:
                 "pick": self.pick.to_dict(), "search_seconds": self.search_seconds, "search_text": self.search_text,
                 "eval_text": self.eval_text, "also_eval_texts": self.also_eval_texts,
                 "accuracy_items": self.accuracy_items, "accuracy_task": self.accuracy_task,
-                "fit_text": self.fit_text, "fit_previous": self.fit_previous,
-                "fit_mean": self.fit_mean, "skipped": self.skipped,
+                "fit_text": self.fit_text, "fit_previous": self.fit_previous, "skipped": self.skipped,
                 "criterion": self.criterion, "picks": self.picks, "validation_texts": self.validation_texts,
                 "validation_items": self.validation_items, "task_items": self.task_items,
                 "fidelity_text": self.fidelity_text, "timings": self.timings, "sizing": self.sizing}
