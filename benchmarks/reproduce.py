@@ -52,6 +52,9 @@ MODELS = {  # the known model each name stands for, the planner section's budget
     "smollm2": {"source": "smollm2-135m", "planner_attn": 8, "plan_args": []},
     "gemma3": {"source": "gemma3-270m", "planner_attn": 4,
                "plan_args": ["--extra", "2", "--search-samples", "4", "--fit-samples", "16"]},
+    # 28 attention layers; its plans take hours on 2 cores, so sections span sessions (a stopped plan goes on)
+    "qwen2.5-coder": {"source": "qwen2.5-coder-1.5b", "planner_attn": 7,
+                      "plan_args": ["--extra", "2", "--search-samples", "4", "--fit-samples", "16"]},
 }
 OTHER_KINDS = {"docs": "technical writing", "code": "code"}  # held-out texts of other kinds than the calibration
 SPEEDUP = "1.333"  # the speedup plan's budget: 25% less prefill time
@@ -73,13 +76,15 @@ def sizes(quick: bool) -> dict:
 class Runner:
     """Runs `layerdrop` commands for one section and keeps their lines and times. A command that finished at this
     commit (recorded in WORK/steps.json) and whose outputs are there is not run again, so a rerun after a crash
-    resumes within a section; `fresh` runs every command."""
+    resumes within a section; a plan that started at this commit and did not finish goes on from its checkpoints
+    (`plan --resume`), so a section of several hours can be stopped and continued; `fresh` runs every command."""
 
     def __init__(self, threads: str, work: Path, commit: str, fresh: bool):
         self.threads, self.commit, self.fresh = threads, commit, fresh
         self.record = work / "steps.json"
         self.commands: list[str] = []
         self.seconds: dict[str, float] = {}
+        self.resumed: list[str] = []  # steps that went on from checkpoints (the time counted is the last part's)
 
     def __call__(self, name: str, *args: str) -> None:
         line = "layerdrop " + " ".join(args)
@@ -87,14 +92,19 @@ class Runner:
         done = read(self.record) if self.record.exists() else {}
         outputs = [Path(args[i + 1]) for i, a in enumerate(args) if a in ("-o", "--json")]
         previous = done.get(line)
-        if not self.fresh and previous and previous["commit"] == self.commit and all(p.exists() for p in outputs):
+        same = not self.fresh and previous is not None and previous["commit"] == self.commit
+        if same and "seconds" in previous and all(p.exists() for p in outputs):
             print(f"$ {line}  (done at this commit, skipped)", file=sys.stderr, flush=True)
             self.seconds[name] = previous["seconds"]
             return
-        print(f"$ {line}", file=sys.stderr, flush=True)
+        resume = ["--resume"] if args[0] == "plan" and same and "seconds" not in previous else []
+        self.resumed += [name] if resume else []
+        print(f"$ {line}" + ("  (going on from the checkpoints of its run at this commit)" if resume else ""),
+              file=sys.stderr, flush=True)
+        write_atomic(self.record, json.dumps({**done, line: {"commit": self.commit}}, indent=1) + "\n")
         started = time.perf_counter()
         common = [] if args[0] in ("export", "fuse") else ["--threads", self.threads, "--no-progress"]
-        subprocess.run([sys.executable, "-m", "layerdrop.cli", *args, *common], check=True)
+        subprocess.run([sys.executable, "-m", "layerdrop.cli", *args, *common, *resume], check=True)
         self.seconds[name] = round(time.perf_counter() - started, 1)
         done = read(self.record) if self.record.exists() else {}
         write_atomic(self.record, json.dumps({**done, line: {"commit": self.commit, "seconds": self.seconds[name]}},
@@ -609,7 +619,9 @@ def stamp(data: dict, model: str, section: str) -> str:
             f"{data['commit'][:10]}{' (with changes)' if data['dirty'] else ''}, layerdrop "
             f"{data['versions']['layerdrop']}, ONNX Runtime {data['versions']['onnxruntime']}; "
             f"`python benchmarks/reproduce.py --model {model} --only {section}"
-            f"{' --quick' if data['args']['quick'] else ''}` ({_minutes(data):.1f} minutes).")
+            f"{' --quick' if data['args']['quick'] else ''}` ({_minutes(data):.1f} minutes"
+            + (f"; {', '.join(data['resumed'])} went on from an interrupted run, whose time before the "
+               "interruption is not counted" if data.get("resumed") else "") + ").")
 
 
 def _minutes(data: dict) -> float:
@@ -724,7 +736,7 @@ def main(argv: list[str] | None = None) -> int:
                 results = section_deploy(work, source, config, s, run)
             data = {"section": section, "model": args.model, "args": key, **facts,
                     "seconds_total": round(time.perf_counter() - started, 1), "seconds": run.seconds,
-                    "commands": run.commands, "results": results}
+                    "commands": run.commands, "resumed": run.resumed, "results": results}
             write_atomic(path, json.dumps(data, indent=1, sort_keys=True, default=str) + "\n")
             print(f"reproduce: {section} took {data['seconds_total'] / 60:.1f} minutes; wrote {path}",
                   file=sys.stderr)

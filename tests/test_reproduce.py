@@ -221,6 +221,37 @@ def test_a_rerun_after_a_crash_runs_none_of_the_commands_already_done(measured):
         markdown.write_bytes(rendered)
 
 
+def test_a_plan_stopped_part_way_goes_on_from_its_checkpoints_and_the_table_says_so(measured):
+    """A plan that started at this commit and left no output (stopped for the night, say) is run again with
+    `--resume`, so it goes on from its checkpoints (`plan --resume`, tests/test_plan_resume.py); the section's
+    figures are those of a run never stopped, and its stamp says which step went on and that its time is partial."""
+    out, work, folder = measured
+    path, markdown = out / "smollm2" / "pipeline.json", out / "smollm2" / "README.md"
+    kept, rendered = path.read_bytes(), markdown.read_bytes()
+    steps = json.loads((work / "steps.json").read_text())
+    (line,) = [k for k in steps if k.startswith("layerdrop plan ") and "/pipeline/plan " in k]
+    plan_json = work / "pipeline" / "plan.json"
+    plan_kept = plan_json.read_bytes()
+    (work / "steps.json").write_text(json.dumps({**steps, line: {"commit": steps[line]["commit"]}}))
+    plan_json.unlink()
+    path.unlink()
+    try:
+        result = reproduce("--quick", "--only", "pipeline", "--model-folder", str(folder), "--planner-attn", "1",
+                           "--out", str(out), "--work", str(work), "--readme", str(out / "absent.md"))
+        assert result.returncode == 0, result.stderr[-3000:]
+        data, before = json.loads(path.read_text()), json.loads(kept)
+        assert data["resumed"] == ["plan"] and not before["resumed"]
+        assert data["results"]["plan"]["pick"]["method"] == before["results"]["plan"]["pick"]["method"]
+        assert data["results"]["plan"]["removed"] == before["results"]["plan"]["removed"]
+        assert data["results"]["eval"] == before["results"]["eval"]
+        assert "plan went on from an interrupted run" in markdown.read_text()
+    finally:  # the fixture's files as they were, for the other tests
+        path.write_bytes(kept)
+        markdown.write_bytes(rendered)
+        plan_json.write_bytes(plan_kept)
+        (work / "steps.json").write_text(json.dumps(steps))
+
+
 def test_render_only_replaces_the_text_between_the_markers_and_nothing_else(measured, tmp_path):
     out, _, _ = measured
     plan = json.loads((out / "smollm2" / "planner.json").read_text())["results"]["default"]
