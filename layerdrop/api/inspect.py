@@ -4,14 +4,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-
 from layerdrop import model_folder
 from layerdrop.api.common import open_model
 from layerdrop.formats import FAMILY_KEY, is_state_past, state_layer
 from layerdrop.passes.attach_scores import read_scores
 from layerdrop.passes.find_residuals import annotated_regions
-from layerdrop.passes.metadata import calibration_record, kv_bytes_per_token, kv_layer_map, removed_modules
+from layerdrop.passes.metadata import (
+    calibration_record,
+    kv_bytes_per_token,
+    kv_layer_map,
+    removed_modules,
+    state_bytes_per_sequence,
+)
 
 
 def inspect(model_path: Path) -> dict:
@@ -39,8 +43,7 @@ def inspect(model_path: Path) -> dict:
         "kv_bytes_per_token": kv_bytes_per_token(model),
         "kv_layers": kv_layer_map(model),
         "state_layers": sorted({state_layer(v.name) for v in model.graph.inputs if is_state_past(v.name)}),
-        "state_bytes_per_sequence": sum(int(np.prod([int(d) for d in v.shape[1:]]) * v.dtype.itemsize)
-                                        for v in model.graph.inputs if is_state_past(v.name)),
+        "state_bytes_per_sequence": state_bytes_per_sequence(model),
         "removed": removed_modules(model),
         "calibration": calibration_record(model),
     }

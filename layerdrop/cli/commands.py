@@ -49,7 +49,8 @@ def cmd_inspect(args) -> int:
     kv_text = f"{kv} bytes/token ({len(info['kv_layers'])} cached layers)" if kv else "none (no KV-cache inputs)"
     print(f"KV cache: {kv_text}")
     if info["state_layers"]:
-        print(f"previous-token states (not KV; {info['state_bytes_per_sequence']} bytes per sequence, whatever its "
+        size = info["state_bytes_per_sequence"]
+        print(f"previous-token states (not KV; {'unknown' if size is None else size} bytes per sequence, whatever its "
               f"length): layers {' '.join(map(str, info['state_layers']))}")
     rows = info["regions"] + [{**b, "kind": "block"} for b in info["blocks"]]
     print_scores(rows)

@@ -4,6 +4,7 @@ deployment (KV bytes per token, onnxruntime-genai's genai_config.json). Keys and
 from __future__ import annotations
 
 import json
+import math
 
 import onnx_ir as ir
 
@@ -16,6 +17,7 @@ from layerdrop.formats import (
     KV_LAYERS_KEY,
     SCORE_KEY,
     is_past,
+    is_state_past,
     kv_index,
 )
 
@@ -81,6 +83,19 @@ def kv_bytes_per_token(model: ir.Model) -> int | None:
                 return None
             total += heads * head_dim * int(value.dtype.itemsize)
     return total or None
+
+
+def state_bytes_per_sequence(model: ir.Model) -> int | None:
+    """Bytes of the fitted maps' states one sequence carries (batch 1), whatever its length; 0 without states, None
+    where a state's shape is not fixed."""
+    total = 0
+    for value in model.graph.inputs:
+        if is_state_past(value.name):
+            dims = list(value.shape[1:]) if value.shape is not None else [None]
+            if not all(isinstance(d, int) for d in dims):
+                return None
+            total += math.prod(dims) * int(value.dtype.itemsize)
+    return total
 
 
 def updated_genai_config(config: dict, source_map: list[int], model: ir.Model) -> dict:
