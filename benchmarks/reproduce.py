@@ -98,7 +98,8 @@ class Runner:
             self.seconds[name] = previous["seconds"]
             return
         resume = ["--resume"] if args[0] == "plan" and same and "seconds" not in previous else []
-        self.resumed += [name] if resume else []
+        if resume:
+            self.resumed.append(name)
         print(f"$ {line}" + ("  (going on from the checkpoints of its run at this commit)" if resume else ""),
               file=sys.stderr, flush=True)
         write_atomic(self.record, json.dumps({**done, line: {"commit": self.commit}}, indent=1) + "\n")

@@ -222,9 +222,9 @@ def test_a_rerun_after_a_crash_runs_none_of_the_commands_already_done(measured):
 
 
 def test_a_plan_stopped_part_way_goes_on_from_its_checkpoints_and_the_table_says_so(measured):
-    """A plan that started at this commit and left no output (stopped for the night, say) is run again with
-    `--resume`, so it goes on from its checkpoints (`plan --resume`, tests/test_plan_resume.py); the section's
-    figures are those of a run never stopped, and its stamp says which step went on and that its time is partial."""
+    """A plan recorded as started at this commit that left no output (stopped for the night, say) is run again as
+    a resumed step (`plan --resume`, whose checkpoints tests/test_plan_resume.py covers): the section keeps the
+    same pick, removals and held-out figures, and its stamp says which step went on and that its time is partial."""
     out, work, folder = measured
     path, markdown = out / "smollm2" / "pipeline.json", out / "smollm2" / "README.md"
     kept, rendered = path.read_bytes(), markdown.read_bytes()
