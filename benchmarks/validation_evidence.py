@@ -54,7 +54,8 @@ def repeats(ids: np.ndarray, gap: int = 16) -> np.ndarray:
     return found
 
 
-def measure(folder: Path, base: Path, items: int, windows: int) -> dict:
+def measure(folder: Path, base: Path, items: int, windows: int, sets: tuple[str, ...] = ("unreported", "validation",
+                                                                                     "reported")) -> dict:
     found: dict = {"model": str(folder)}
     session = make_session(folder / "model.onnx")
     for kind in KINDS:
@@ -68,6 +69,8 @@ def measure(folder: Path, base: Path, items: int, windows: int) -> dict:
             found["ppl eval, other tokens"] = float(np.exp(nll[~copied].mean()))
     lm = LayerdropLM(path=str(folder), session=session, batch_size=8, progress=False)
     for label, tasks in (("unreported", UNREPORTED), ("validation", VALIDATION_TASKS), ("reported", REPORTED)):
+        if label not in sets:
+            continue
         outcomes = run_standard_tasks(lm, list(tasks), limit=items, tasks=tasks)
         for name, outcome in outcomes.items():
             found[f"{label} {name}"] = [int(c) for c in outcome.correct]
@@ -80,10 +83,13 @@ def main() -> None:
     parser.add_argument("others", type=Path, nargs="+")
     parser.add_argument("--items", type=int, default=200, help="items of each task")
     parser.add_argument("--windows", type=int, default=32, help="windows of 256 tokens of each bundled text")
+    parser.add_argument("--sets", default="unreported,validation,reported",
+                        help="which sets of task items to measure, comma-separated")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     start = time.time()
-    rows = [measure(folder, args.base, args.items, args.windows) for folder in [args.base, *args.others]]
+    sets = tuple(args.sets.split(","))
+    rows = [measure(folder, args.base, args.items, args.windows, sets) for folder in [args.base, *args.others]]
     columns = [key for key in rows[0] if key != "model"]
     print("| measure | " + " | ".join(Path(r["model"]).name for r in rows) + " |")
     print("|---|" + "---|" * len(rows))
