@@ -89,6 +89,9 @@ def main() -> None:
     args = parser.parse_args()
     start = time.time()
     sets = tuple(args.sets.split(","))
+    unknown = set(sets) - {"unreported", "validation", "reported"}
+    if unknown:
+        parser.error(f"--sets takes unreported, validation and reported, not {', '.join(sorted(unknown))}")
     rows = [measure(folder, args.base, args.items, args.windows, sets) for folder in [args.base, *args.others]]
     columns = [key for key in rows[0] if key != "model"]
     print("| measure | " + " | ".join(Path(r["model"]).name for r in rows) + " |")
