@@ -39,6 +39,7 @@ UNREPORTED = {task.name: task for task in (
                  yaml="commonsense_qa/default.yaml"),
 )}
 REPORTED = {name: STANDARD_TASKS[name] for name in ("hellaswag", "piqa", "lambada_openai")}
+SETS = {"unreported": UNREPORTED, "validation": VALIDATION_TASKS, "reported": REPORTED}  # task item sets, by label
 
 
 def repeats(ids: np.ndarray, gap: int = 16) -> np.ndarray:
@@ -54,8 +55,7 @@ def repeats(ids: np.ndarray, gap: int = 16) -> np.ndarray:
     return found
 
 
-def measure(folder: Path, base: Path, items: int, windows: int, sets: tuple[str, ...] = ("unreported", "validation",
-                                                                                     "reported")) -> dict:
+def measure(folder: Path, base: Path, items: int, windows: int, sets: tuple[str, ...] = tuple(SETS)) -> dict:
     found: dict = {"model": str(folder)}
     session = make_session(folder / "model.onnx")
     for kind in KINDS:
@@ -68,9 +68,8 @@ def measure(folder: Path, base: Path, items: int, windows: int, sets: tuple[str,
             found["ppl eval, repeated pairs"] = float(np.exp(nll[copied].mean()))
             found["ppl eval, other tokens"] = float(np.exp(nll[~copied].mean()))
     lm = LayerdropLM(path=str(folder), session=session, batch_size=8, progress=False)
-    for label, tasks in (("unreported", UNREPORTED), ("validation", VALIDATION_TASKS), ("reported", REPORTED)):
-        if label not in sets:
-            continue
+    for label in sets:
+        tasks = SETS[label]
         outcomes = run_standard_tasks(lm, list(tasks), limit=items, tasks=tasks)
         for name, outcome in outcomes.items():
             found[f"{label} {name}"] = [int(c) for c in outcome.correct]
@@ -83,15 +82,15 @@ def main() -> None:
     parser.add_argument("others", type=Path, nargs="+")
     parser.add_argument("--items", type=int, default=200, help="items of each task")
     parser.add_argument("--windows", type=int, default=32, help="windows of 256 tokens of each bundled text")
-    parser.add_argument("--sets", default="unreported,validation,reported",
+    parser.add_argument("--sets", default=",".join(SETS),
                         help="which sets of task items to measure, comma-separated")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     start = time.time()
     sets = tuple(args.sets.split(","))
-    unknown = set(sets) - {"unreported", "validation", "reported"}
+    unknown = set(sets) - set(SETS)
     if unknown:
-        parser.error(f"--sets takes unreported, validation and reported, not {', '.join(sorted(unknown))}")
+        parser.error(f"--sets takes {', '.join(SETS)}, not {', '.join(sorted(unknown))}")
     rows = [measure(folder, args.base, args.items, args.windows, sets) for folder in [args.base, *args.others]]
     columns = [key for key in rows[0] if key != "model"]
     print("| measure | " + " | ".join(Path(r["model"]).name for r in rows) + " |")
