@@ -33,6 +33,9 @@ SCOPES_KEY = "pkg.torch.onnx.name_scopes"    # torch.onnx's provenance (a cross-
 # -- graph outputs layerdrop adds -----------------------------------------------------------------------------------
 TOKEN_LOGPROBS = "layerdrop_token_logprobs"  # log p(next token) per position, for perplexity (TokenLogprobsPass)
 
+# -- graph inputs layerdrop adds --------------------------------------------------------------------------------------
+LOGITS_FROM = "layerdrop_logits_from"        # the first position the LM head runs on, default 0 (LogitsFromPass)
+
 # -- KV-cache names (optimum's and onnxruntime-genai's convention) -------------------------------------------------
 KV_NAME = re.compile(r"^(past_key_values|present)\.(\d+)\.(key|value)$")
 

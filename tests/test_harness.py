@@ -17,6 +17,7 @@ lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip i
 
 from layerdrop import api  # noqa: E402
 from layerdrop.cli import main  # noqa: E402
+from layerdrop.formats import LOGITS_FROM  # noqa: E402
 from tests.lm_eval_tasks import write_local_task  # noqa: E402
 from tests.torch_reference import replaced  # noqa: E402
 
@@ -151,6 +152,38 @@ def test_choices_of_one_context_run_the_context_once_and_match_lm_eval_hf_model(
     # every question's context but its last token ran once, and all choices after it
     assert sum(rows * length for rows, length in prefills) == sum(len(lm.tok_encode(d["question"])) - 1 for d in MC)
     assert sum(rows for rows, _ in after) == sum(len(d["choices"]) for d in MC)
+
+
+class _StartRecordingSession(_RecordingSession):
+    """Records the position each run's logits start at (0 where the feed does not say) and their shape."""
+
+    def run(self, names, feed):
+        out = self.session.run(names, feed)
+        if "logits" in names:
+            self.runs.append((int(feed.get(LOGITS_FROM, [0])[0]), feed["input_ids"].shape, out[0].shape))
+        elif LOGITS_FROM in feed:
+            self.runs.append((int(feed[LOGITS_FROM][0]), feed["input_ids"].shape, None))
+        return out
+
+
+@pytest.mark.parametrize("kv_cache", [True, False])
+def test_a_head_run_only_where_answers_need_it_matches_lm_eval_hf_model(exported, hf_folder, tasks, kv_cache):
+    """`eval --tasks` runs the LM head from the first position an answer needs (`passes.logits_from`): contexts
+    that only fill the cache get no logits, and a batch's logits start at its earliest answer."""
+    from layerdrop.api.evaluate import task_model
+    from layerdrop.runtime.session import RunOptions
+
+    folder = exported("llama", kv_cache)
+    lm = task_model(folder, RunOptions(batch_size=4), progress=False)
+    lm.session = _StartRecordingSession(lm.session)
+    ours = _evaluate(lm, tasks)
+    _compare(ours, _evaluate(_hf_model(_hf_reference(hf_folder), folder), tasks))
+    started = [(start, ids, logits) for start, ids, logits in lm.session.runs if start > 0]
+    assert started  # the head really ran on fewer positions
+    for start, ids, logits in started:
+        assert logits is None or logits[1] == ids[1] - start
+    if kv_cache:  # the contexts run once to fill the cache, without logits
+        assert any(logits is None and start == ids[1] for start, ids, logits in started)
 
 
 def test_fused_group_query_attention_graph_matches_lm_eval_hf_model(exported, hf_folder, tasks, tmp_path):

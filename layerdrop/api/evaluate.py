@@ -17,6 +17,7 @@ from layerdrop.api.common import (
     windows_for,
 )
 from layerdrop.errors import LayerdropError
+from layerdrop.passes.logits_from import LogitsFromPass
 from layerdrop.passes.token_logprobs import with_token_logprobs
 from layerdrop.runtime.evaluate import perplexity
 from layerdrop.runtime.generate import greedy_generate
@@ -100,7 +101,6 @@ def harness(
         from lm_eval.tasks import TaskManager
     except ImportError:
         raise LayerdropError("--tasks needs lm-eval; install the eval extra: pip install -e '.[eval]'") from None
-    from layerdrop.runtime.harness import LayerdropLM
 
     if include_path is not None and not Path(include_path).is_dir():
         raise LayerdropError(f"--include-path {include_path} is not a folder of task YAML files")
@@ -109,8 +109,7 @@ def harness(
     if unknown:
         raise LayerdropError(f"unknown lm-eval task(s): {', '.join(unknown)}; `lm_eval ls tasks` lists them, and "
                              "--include-path adds a folder of your own task YAML files")
-    model = LayerdropLM(path=str(model_path), provider=options.provider, batch_size=options.batch_size,
-                        threads=options.threads, progress=progress)
+    model = task_model(model_path, options, progress)
     try:
         raw = evaluator.simple_evaluate(model=model, tasks=list(tasks), task_manager=manager, limit=limit,
                                         num_fewshot=num_fewshot, log_samples=show > 0, verbosity="ERROR")
@@ -223,7 +222,6 @@ def standard_tasks(
             not cached and cannot be downloaded (how to provide it is in the message), or memory over the limit.
     """
     from layerdrop import task_data
-    from layerdrop.runtime.harness import LayerdropLM
     from layerdrop.runtime.standard_tasks import STANDARD_TASKS, expand_names, run_standard_tasks
 
     names = expand_names(names)
@@ -240,13 +238,23 @@ def standard_tasks(
     whole = int(limit) if limit is not None and limit >= 1 else limit
     outcomes = []
     for path in model_paths:
-        lm = LayerdropLM(path=str(path), provider=options.provider, batch_size=options.batch_size,
-                         threads=options.threads, progress=progress)
+        lm = task_model(path, options, progress)
         outcomes.append(run_standard_tasks(lm, names, limit=whole, wheel=wheel))
         del lm  # one model's session at a time: the next is built only after this one is freed
     rows = [{**task_row([found[name] for found in outcomes]), "license": STANDARD_TASKS[name].license}
             for name in names]
     return {"models": [str(p) for p in model_paths], "tasks": rows, "average": average_row(rows)}
+
+
+def task_model(path: Path, options: RunOptions, progress: bool):
+    """The `layerdrop` lm-eval model of the folder at `path`, its LM head run only at the positions an answer
+    needs (`passes.logits_from`; the folder's graph is not changed)."""
+    from layerdrop.runtime.harness import LayerdropLM
+
+    _, graph = model_folder.load(Path(path))
+    LogitsFromPass()(graph)
+    return LayerdropLM(path=str(path), model=graph, provider=options.provider, batch_size=options.batch_size,
+                       threads=options.threads, progress=progress)
 
 
 def task_row(outcomes: list) -> dict:

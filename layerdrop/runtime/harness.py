@@ -20,7 +20,7 @@ except ImportError:  # pragma: no cover - exercised only without the extra
     raise LayerdropError("lm-eval is not installed; install the eval extra: pip install -e '.[eval]'") from None
 from tqdm import tqdm
 
-from layerdrop.formats import is_carried
+from layerdrop.formats import LOGITS_FROM, is_carried
 from layerdrop.runtime.evaluate import token_logprobs
 from layerdrop.runtime.feeds import is_kv_graph, prefill_feed, takes_padded_batches
 from layerdrop.runtime.generate import cached_feed, greedy_batch, left_pad, right_pad
@@ -88,6 +88,8 @@ class LayerdropLM(TemplateLM):
         self.session = session or make_session(model, folder=self.folder.path, provider=provider,
                                                threads=int(threads) if threads else None)
         self._padded_batches = takes_padded_batches(model)
+        # a graph with `passes.logits_from`'s input computes the LM head only where an answer needs it
+        self._logits_from = LOGITS_FROM in {i.name for i in self.session.get_overridable_initializers()}
         self._shares_contexts = self._padded_batches and is_kv_graph(self.session)
         self.tokenizer = load_tokenizer(self.folder.path)
         config = model_folder.config(self.folder.path)
@@ -134,11 +136,17 @@ class LayerdropLM(TemplateLM):
     def tok_decode(self, tokens: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(tokens), skip_special_tokens=skip_special_tokens)
 
-    def _logits(self, sequences: list[list[int]]) -> list[np.ndarray]:
-        """Each sequence's logits [its length, vocab], from one right-padded batch."""
+    def _logits(self, sequences: list[list[int]], needed: list[int]) -> list[np.ndarray]:
+        """Each sequence's logits at its last `needed` positions [needed, vocab], from one right-padded batch."""
         ids, mask = right_pad(sequences, self._pad)
-        logits = self.session.run(["logits"], prefill_feed(self.session, ids, mask))[0]
-        return [logits[row, :len(sequence)] for row, sequence in enumerate(sequences)]
+        firsts = [max(len(s) - n, 0) for s, n in zip(sequences, needed)]
+        start = min(firsts) if self._logits_from else 0
+        logits = self.session.run(["logits"], prefill_feed(self.session, ids, mask, extra=self._from(start)))[0]
+        return [logits[row, first - start:len(s) - start] for row, (s, first) in enumerate(zip(sequences, firsts))]
+
+    def _from(self, position: int) -> dict[str, np.ndarray]:
+        """The feed that starts the logits at `position`, where the graph takes it (else every position's)."""
+        return {LOGITS_FROM: np.array([position], dtype=np.int64)} if self._logits_from else {}
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         return super().loglikelihood(requests, disable_tqdm=disable_tqdm or not self.progress)
@@ -180,7 +188,8 @@ class LayerdropLM(TemplateLM):
                 bar.update(sum(len(g) for g in groups))
             for start in range(0, len(alone), batch):
                 chunk = alone[start:start + batch]
-                for index, logits in zip(chunk, self._logits([inputs[i] for i in chunk])):
+                needed = [len(requests[i][2]) for i in chunk]
+                for index, logits in zip(chunk, self._logits([inputs[i] for i in chunk], needed)):
                     answer(index, logits)
                 bar.update(len(chunk))
         return answers  # type: ignore[return-value]
@@ -208,7 +217,9 @@ class LayerdropLM(TemplateLM):
         inputs = {i.name for i in self.session.get_inputs()}
         for length, same in by_length.items():
             prefix = np.array([requests[g[0]][1][:-1] for g in same], dtype=np.int64)
-            cache = dict(zip(names, self.session.run(names, prefill_feed(self.session, prefix))))
+            # the contexts only fill the cache: no position of theirs needs logits
+            cache = dict(zip(names, self.session.run(names, prefill_feed(self.session, prefix,
+                                                                       extra=self._from(prefix.shape[1])))))
             rows = [(owner, index) for owner, group in enumerate(same) for index in group]
             tails = [[requests[i][1][-1], *requests[i][2][:-1]] for _, i in rows]
             ids, tail_mask = right_pad(tails, self._pad)

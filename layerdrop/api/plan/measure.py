@@ -20,6 +20,7 @@ from layerdrop.api.reports import text_labels
 from layerdrop.formats import TOKEN_LOGPROBS
 from layerdrop.passes.find_residuals import annotated_regions
 from layerdrop.passes.graph_cuts import HIDDEN_INPUT, suffix_to_logits, with_outputs
+from layerdrop.passes.logits_from import with_logits_from
 from layerdrop.passes.token_logprobs import TokenLogprobsPass, with_token_logprobs
 from layerdrop.runtime.evaluate import perplexity
 from layerdrop.runtime.session import RunOptions
@@ -114,9 +115,11 @@ class Measure:
         the same structure timed before (`search.selection.PrefillMeter.timed`).
 
         Perplexities come from a session whose graph takes the log-softmax itself (`with_token_logprobs`);
-        accuracy and timings from one of the rewritten graph as it is written (`session`, or one built after the
-        first is freed). With a `prefix`, the baseline (a candidate without moves) keeps the hidden states it names
-        from its own runs, and a row whose lowest changed layer is at or above a kept one runs from there."""
+        fidelity and accuracies from `session`, or one whose LM head runs only at the positions an answer needs
+        (`passes.logits_from`); timings from the graph as it is written (`session`, or one the meter builds after
+        the row's own is freed). With a `prefix`, the baseline (a candidate without moves) keeps the hidden states
+        it names from its own runs, and a row whose lowest changed layer is at or above a kept one runs from
+        there."""
         rewritten = candidate.applied_to(self.model)
         run = candidate.run
         sets = self.sets()
@@ -139,8 +142,9 @@ class Measure:
         timed = timed and self.meter is not None and self.runs > 0
         items = self.validation.items if self.validation is not None else 0
         fidelity = self.fidelity is not None
-        if session is None and (self.held_out.items is not None or items or self.held_out.tasks or fidelity):
-            session = self.options.session(rewritten, folder=self.folder)
+        own = session is None and (self.held_out.items is not None or items or self.held_out.tasks or fidelity)
+        if own:  # the LM head runs only where the task items' answers need it (passes.logits_from)
+            session = self.options.session(with_logits_from(rewritten), folder=self.folder)
         if fidelity:
             self.measure_fidelity(row, candidate, session)
         if self.held_out.items is not None:
@@ -152,7 +156,8 @@ class Measure:
             row.validation_correct = correct
         if self.held_out.tasks:
             row.tasks_correct, row.tasks_chance = self.standard_tasks(rewritten, session)
-        if timed:
+        if timed:  # the graph as written is timed: a session of its own if the meter needs runs of it
+            session = None if own else session
             row.speedup, row.speedup_runs, row.structure = self.meter.timed(rewritten, self.runs, session)
         return row
 
