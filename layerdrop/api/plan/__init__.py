@@ -328,14 +328,13 @@ def _measured(inputs: Inputs, windows: PlanWindows, candidates: list[Candidate],
     prefix = measure.prefix
     bar = tqdm(total=1 + len(candidates), desc="measuring rows", unit="row", disable=not inputs.progress,
                leave=False)
-    base_session = meter.base if meter is not None else None
     timed = meter if meter is not None and runs > 0 else None
     validation_items = windows.validation.items if windows.validation is not None else 0
     measured_on = ({key: window_ids(w) for key, w in sets.items()}, held_out.items, validation_items, layers,
                    inputs.options, runs, tokens, prefix.entries, held_out.tasks)
 
     def baseline() -> tuple[PlanRow, dict, np.ndarray]:
-        row = measure.row(Candidate("baseline"), session=base_session, timed=False)
+        row = measure.row(Candidate("baseline"), timed=False)
         return row, prefix.states, measure.reference
 
     base, prefix.states, measure.reference = saved.cached("baseline", (*measured_on, "fidelity"), baseline)

@@ -108,18 +108,18 @@ class Measure:
         kinds = self.validation.kinds.values() if self.validation is not None else ()
         return {**self.held_out.sets(self.search), **{f"val{i}": w for i, w in enumerate(kinds)}}
 
-    def row(self, candidate: Candidate, session=None, timed: bool = True) -> PlanRow:
+    def row(self, candidate: Candidate, timed: bool = True) -> PlanRow:
         """The candidate's row: its rewritten model's perplexity on the search and the held-out windows, its
         accuracy on the held-out items, the share of attention layers that keep a KV cache, and (with a meter and
         `timed`) its prefill speedup against the baseline's, runs alternating, pooled with the runs of any graph of
         the same structure timed before (`search.selection.PrefillMeter.timed`).
 
         Perplexities come from a session whose graph takes the log-softmax itself (`with_token_logprobs`);
-        fidelity and accuracies from `session`, or one whose LM head runs only at the positions an answer needs
-        (`passes.logits_from`); timings from the graph as it is written (`session`, or one the meter builds after
-        the row's own is freed). With a `prefix`, the baseline (a candidate without moves) keeps the hidden states
-        it names from its own runs, and a row whose lowest changed layer is at or above a kept one runs from
-        there."""
+        fidelity and accuracies from one whose LM head runs only at the positions an answer needs
+        (`passes.logits_from`); timings from the graph as it is written (a session the meter builds, if it needs
+        runs of the row's structure, after the row's own is freed). With a `prefix`, the baseline (a candidate
+        without moves) keeps the hidden states it names from its own runs, and a row whose lowest changed layer is
+        at or above a kept one runs from there."""
         rewritten = candidate.applied_to(self.model)
         run = candidate.run
         sets = self.sets()
@@ -142,8 +142,8 @@ class Measure:
         timed = timed and self.meter is not None and self.runs > 0
         items = self.validation.items if self.validation is not None else 0
         fidelity = self.fidelity is not None
-        own = session is None and (self.held_out.items is not None or items or self.held_out.tasks or fidelity)
-        if own:  # the LM head runs only where the task items' answers need it (passes.logits_from)
+        session = None
+        if self.held_out.items is not None or items or self.held_out.tasks or fidelity:
             session = self.options.session(with_logits_from(rewritten), folder=self.folder)
         if fidelity:
             self.measure_fidelity(row, candidate, session)
@@ -156,9 +156,9 @@ class Measure:
             row.validation_correct = correct
         if self.held_out.tasks:
             row.tasks_correct, row.tasks_chance = self.standard_tasks(rewritten, session)
-        if timed:  # the graph as written is timed: a session of its own if the meter needs runs of it
-            session = None if own else session
-            row.speedup, row.speedup_runs, row.structure = self.meter.timed(rewritten, self.runs, session)
+        if timed:
+            session = None  # freed before the meter builds one of the graph as written
+            row.speedup, row.speedup_runs, row.structure = self.meter.timed(rewritten, self.runs)
         return row
 
     def perplexities(self, rewritten: ir.Model, candidate: Candidate, sets: dict[str, Windows]) -> dict[str, float]:
