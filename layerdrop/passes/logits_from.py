@@ -67,10 +67,10 @@ def _lm_head(graph: ir.Graph) -> ir.Node | None:
             return node
         if node.op_type not in POSITIONWISE or node.domain not in ("", "ai.onnx"):
             return None
-        moving = [v for v in node.inputs if v is not None and constant_array(v) is None]
+        arrays = [(v, constant_array(v)) for v in node.inputs if v is not None]
+        moving = [v for v, array in arrays if array is None]
         # a constant other input must not vary along the sequence: a scalar or one value per word
-        fixed = [v for v in node.inputs if v is not None and constant_array(v) is not None]
-        if len(moving) != 1 or any(constant_array(v).ndim > 1 for v in fixed):
+        if len(moving) != 1 or any(array is not None and array.ndim > 1 for _, array in arrays):
             return None
         value = moving[0]
     return None
