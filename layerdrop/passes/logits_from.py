@@ -38,10 +38,8 @@ class LogitsFromPass(ir.passes.InPlacePass):
         head = _lm_head(graph)
         if head is None:
             return ir.passes.PassResult(model, modified=False)
-        start = ir.Value(name=LOGITS_FROM, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([1]))
-        start.const_value = ir.tensor(np.array([0], np.int64), name=LOGITS_FROM)
-        graph.inputs.append(start)
-        graph.register_initializer(start)
+        start = add_initializer(graph, LOGITS_FROM, np.array([0], np.int64))
+        graph.inputs.append(start)  # an input too: a caller may feed another position
         end = add_initializer(graph, "layerdrop_logits_end", np.array([np.iinfo(np.int64).max], np.int64))
         axis = add_initializer(graph, "layerdrop_logits_axis", np.array([1], np.int64))
         node = ir.node("Slice", [head.inputs[0], start, end, axis], name="layerdrop_logits_from_slice",

@@ -157,7 +157,7 @@ class Measure:
         if self.held_out.tasks:
             row.tasks_correct, row.tasks_chance = self.standard_tasks(rewritten, session)
         if timed:
-            session = None  # freed before the meter builds one of the graph as written
+            del session  # freed before the meter builds one of the graph as written
             row.speedup, row.speedup_runs, row.structure = self.meter.timed(rewritten, self.runs)
         return row
 
