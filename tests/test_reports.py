@@ -3,7 +3,9 @@ snippet that runs the output, the command that reproduces it, and table columns 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import shlex
 import shutil
@@ -27,18 +29,20 @@ def _past_inputs(folder) -> int:
 
 @pytest.fixture(scope="module")
 def pipeline_run(tmp_path_factory, exported):
-    """(OUTDIR, argv) of `layerdrop pipeline` on the tiny Llama export (with the tokenizer_config.json a real model's
-    folder has), dropping two attention layers; the first test runs it."""
+    """(OUTDIR, argv, what it printed) of `layerdrop pipeline` on the tiny Llama export (with the
+    tokenizer_config.json a real model's folder has), dropping two attention layers."""
     root = tmp_path_factory.mktemp("report")
     source = Path(shutil.copytree(exported("llama", True), root / "export"))
     (source / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
-    return root / "run", ["pipeline", str(source), "-o", str(root / "run"), "--attn", "2", *TINY]
+    argv = ["pipeline", str(source), "-o", str(root / "run"), "--attn", "2", *TINY]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(argv) == 0
+    return root / "run", argv, printed.getvalue()
 
 
-def test_the_pipeline_report_names_exactly_the_layers_the_output_model_lacks(pipeline_run, capsys):
-    out, argv = pipeline_run
-    assert main(argv) == 0
-    printed = capsys.readouterr().out
+def test_the_pipeline_report_names_exactly_the_layers_the_output_model_lacks(pipeline_run):
+    out, _, printed = pipeline_run
     metadata = {p.key: p.value for p in onnx.load(out / "pruned" / "model.onnx", load_external_data=False)
                 .metadata_props}
     removed = json.loads(metadata[DROPPED_KEY])
@@ -53,7 +57,7 @@ def test_the_pipeline_report_names_exactly_the_layers_the_output_model_lacks(pip
 
 
 def test_the_pipeline_report_names_its_texts_by_file_and_sha256(pipeline_run):
-    out, _ = pipeline_run
+    out, _, _ = pipeline_run
     report = json.loads((out / "report.json").read_text())
     markdown = (out / "report.md").read_text()
     for role in ("calibration", "eval"):
@@ -63,7 +67,7 @@ def test_the_pipeline_report_names_its_texts_by_file_and_sha256(pipeline_run):
 
 
 def test_the_reproduce_command_parses_to_the_options_of_the_run(pipeline_run):
-    out, argv = pipeline_run
+    out, argv, _ = pipeline_run
     report = json.loads((out / "report.json").read_text())
     words = shlex.split(report["reproduce"])
     assert words[:2] == ["layerdrop", "pipeline"]
@@ -75,7 +79,7 @@ def test_the_reproduce_command_parses_to_the_options_of_the_run(pipeline_run):
 
 @pytest.mark.skipif(importlib.util.find_spec("onnxruntime_genai") is None, reason="needs onnxruntime-genai")
 def test_the_run_snippet_generates_with_onnxruntime_genai_from_the_output(pipeline_run, capsys):
-    out, _ = pipeline_run
+    out, _, _ = pipeline_run
     report = json.loads((out / "report.json").read_text())
     assert report["run"]["runtime"] == "onnxruntime-genai" and (out / "pruned" / "genai_config.json").is_file()
     capsys.readouterr()
@@ -117,6 +121,18 @@ def test_reproduce_command_quotes_paths_for_the_shell():
                                                        "--seq": (256, 1024), "--force": True, "--calib": None})
     assert shlex.split(command) == ["layerdrop", "plan", "my model", "-o", "out dir", "--also-eval", "a b.txt",
                                     "--also-eval", "docs", "--seq", "256,1024", "--force"]
+
+
+def test_the_reproduce_command_names_bundled_texts_so_it_runs_wherever_the_package_is_installed():
+    argv = ["plan", "model", "-o", "out", "--budget", "attn=2", "--calib", "calib", "--also-eval", "docs",
+            "--also-eval", "./docs"]
+    args = build_parser().parse_args(argv)
+    command = reproduce_command("plan", [args.model], {"-o": args.output, "--budget": args.budget,
+                                                       "--calib": args.calib, "--also-eval": args.also_eval})
+    words = shlex.split(command)
+    assert words[words.index("--calib") + 1] == "calib" and "docs" in words and "./docs" in words
+    reproduced = build_parser().parse_args(words[1:])
+    assert (reproduced.calib, reproduced.also_eval) == (args.calib, args.also_eval)
 
 
 def test_task_items_are_described_by_their_count_and_the_text_they_were_built_from():

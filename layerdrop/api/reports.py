@@ -8,6 +8,8 @@ import math
 import shlex
 from pathlib import Path
 
+from layerdrop.windows import BUNDLED, bundled_text
+
 _KIND_NAMES = {"attn": "attention", "mlp": "MLP", "block": "block"}
 _HOW_NAMES = {"drop": "dropped", "harp": "bypassed (HARP)", "fit": "replaced by a fitted map",
               "replaced": "replaced by a fitted run"}
@@ -102,8 +104,9 @@ def run_snippet(folder: Path) -> tuple[str, str]:
 def reproduce_command(command: str, positional: list, options: dict) -> str:
     """The shell command `layerdrop COMMAND POSITIONAL... OPTIONS...`, quoted for a POSIX shell. `options` maps a
     flag to its value: None or False leaves it out, True writes the flag alone, a list or tuple repeats the flag
-    (comma-joined numbers for a tuple of ints), anything else is written as a string."""
-    words = ["layerdrop", command] + [str(p) for p in positional if p is not None]
+    (comma-joined numbers for a tuple of ints), anything else is written as a string; a bundled text is written by
+    its name (`calib`), which the command line reads as that text wherever the package is installed."""
+    words = ["layerdrop", command] + [_word(p) for p in positional if p is not None]
     for flag, value in options.items():
         if value is None or value is False:
             continue
@@ -113,10 +116,22 @@ def reproduce_command(command: str, positional: list, options: dict) -> str:
             words += [flag, ",".join(str(v) for v in value)]
         elif isinstance(value, (list, tuple)):
             for item in value:
-                words += [flag, str(item)]
+                words += [flag, _word(item)]
         else:
-            words += [flag, str(value)]
+            words += [flag, _word(value)]
     return shlex.join(words)
+
+
+def _word(value) -> str:
+    """`value` as a command-line word: a bundled text's path as its name, a path that reads as such a name as
+    `./name`, anything else as a string."""
+    if isinstance(value, Path):
+        named = {bundled_text(name): name for name in BUNDLED}
+        if value in named:
+            return named[value]
+        if str(value) in BUNDLED:
+            return f"./{value}"
+    return str(value)
 
 
 def side_by_side(bench: dict, method: str, quality: list[dict] | None = None, reference: str = "reference",
